@@ -1,0 +1,33 @@
+"""Where the separate vLLM interpreter lives (see scripts/setup_envs.sh for why vLLM has its own environment)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BUNDLED_VERIFIER = REPO_ROOT / "models" / "tiny-chat-verifier"
+BUNDLED_DATA = REPO_ROOT / "data" / "stdlib-chat"
+VLLM_PYTHON_ENV = "EAGLE3_VLLM_PYTHON"
+
+
+def vllm_python(explicit: str | None = None) -> str:
+    """The interpreter that has vLLM: ``explicit``, else $EAGLE3_VLLM_PYTHON, else <repo>/.venv-vllm/bin/python."""
+    candidate = explicit or os.environ.get(VLLM_PYTHON_ENV) or str(REPO_ROOT / ".venv-vllm" / "bin" / "python")
+    if not Path(candidate).exists():
+        raise FileNotFoundError(
+            f"vLLM interpreter not found: {candidate}. Run scripts/setup_envs.sh to create .venv-vllm, or set "
+            f"{VLLM_PYTHON_ENV} (or the vllm_python setting) to the python of an existing vLLM install."
+        )
+    return candidate
+
+
+def vllm_subprocess_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for a vLLM subprocess: the checkout on PYTHONPATH so it can import `eagle3` helpers."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if extra:
+        env.update(extra)
+    return env

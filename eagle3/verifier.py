@@ -1,0 +1,183 @@
+"""What the pipeline needs to know about a verifier without loading it.
+
+* ``VerifierSpec.from_path`` reads ``config.json`` alone (nested ``text_config`` as in Kimi-K2.5, whose language
+  model is a DeepseekV3 model under the ``language_model.`` prefix).
+* ``find_tensor_names`` / ``load_verifier_head`` open only the safetensors shards that hold the embedding, the
+  final norm and ``lm_head`` (through ``model.safetensors.index.json``), matching names by suffix so nested
+  prefixes work, and read only the ``lm_head`` rows of the draft vocabulary.
+
+Layer ids follow vLLM's convention: id k = residual stream ENTERING decoder layer k (HF hidden_states[k]).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class VerifierError(ValueError):
+    """A verifier path, config or weight file is not usable; the message names the file."""
+
+
+@dataclass(frozen=True)
+class VerifierSpec:
+    path: Path
+    hidden_size: int
+    num_hidden_layers: int
+    vocab_size: int
+    rms_norm_eps: float
+    dtype: str  # "bfloat16" | "float16" | "float32": the checkpoint's own dtype
+    tie_word_embeddings: bool
+    text_config: dict  # the (possibly nested) language-model config, as read
+    nested: bool  # True when config.json wraps the language model in `text_config`
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> "VerifierSpec":
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not path.is_dir():
+            raise VerifierError(f"verifier path {path} is not a folder (expected a Hugging Face model folder)")
+        if not cfg_file.is_file():
+            raise VerifierError(f"verifier config not found: {cfg_file}")
+        try:
+            cfg = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise VerifierError(f"verifier config {cfg_file} is not valid JSON: {e}") from None
+        text = cfg.get("text_config") or cfg
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if k not in text]
+        if missing:
+            raise VerifierError(f"verifier config {cfg_file} lacks {', '.join(missing)}")
+        dtype = str(text.get("torch_dtype") or text.get("dtype") or cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+        return cls(
+            path=path,
+            hidden_size=int(text["hidden_size"]),
+            num_hidden_layers=int(text["num_hidden_layers"]),
+            vocab_size=int(text["vocab_size"]),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            dtype=dtype.replace("torch.", ""),
+            tie_word_embeddings=bool(text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
+            text_config=text,
+            nested="text_config" in cfg,
+        )
+
+    def default_aux_layer_ids(self) -> list[int]:
+        """vLLM's default aux layers (2, L//2, L-3) in vLLM's convention; Kimi-K2.5 (L=61): [2, 30, 58]."""
+        n = self.num_hidden_layers
+        return [2, n // 2, n - 3]
+
+    def check_aux_layer_ids(self, ids: list[int]) -> None:
+        """Aux ids must name a residual stream entering a decoder layer: 0 <= k < num_hidden_layers (vLLM)."""
+        if not ids:
+            raise VerifierError("aux_layer_ids is empty: EAGLE-3 needs at least one auxiliary layer")
+        bad = [k for k in ids if not 0 <= int(k) < self.num_hidden_layers]
+        if bad:
+            raise VerifierError(
+                f"aux_layer_ids {bad} out of range for {self.path} with {self.num_hidden_layers} layers "
+                f"(vLLM convention: id k = residual stream entering layer k, 0 <= k < {self.num_hidden_layers})"
+            )
+
+
+def weight_map(path: str | Path) -> dict[str, str]:
+    """tensor name -> safetensors file name, from the index when sharded."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    single = path / "model.safetensors"
+    if single.is_file():
+        with safe_open(str(single), framework="pt") as f:
+            return {k: single.name for k in f.keys()}
+    raise VerifierError(f"no safetensors weights in {path} (expected model.safetensors or model.safetensors.index.json)")
+
+
+def _match(names: list[str], tail: tuple[str, ...], what: str, path: Path) -> str | None:
+    hits = [n for n in names if tuple(n.split(".")[-len(tail):]) == tail and ".layers." not in f".{n}"]
+    if len(hits) > 1:  # prefer the language model's own (parent component "model"), e.g. language_model.model.norm
+        preferred = [n for n in hits if n.split(".")[-len(tail) - 1 : -len(tail)] in (["model"], [])]
+        hits = preferred or hits
+    if len(hits) > 1:
+        raise VerifierError(f"ambiguous {what} in {path}: {sorted(hits)}")
+    return hits[0] if hits else None
+
+
+def find_tensor_names(path: str | Path) -> dict[str, str | None]:
+    """Names of the embedding, the final norm and lm_head in a (sharded, possibly prefixed) checkpoint."""
+    path = Path(path)
+    names = sorted(weight_map(path))
+    return {
+        "embed_tokens": _match(names, ("embed_tokens", "weight"), "embedding", path),
+        "norm": _match(names, ("norm", "weight"), "final norm", path),
+        "lm_head": _match(names, ("lm_head", "weight"), "lm_head", path),
+    }
+
+
+def read_tensor(path: str | Path, name: str, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Read one tensor (or only the given sorted ``rows`` of it) from the shard that holds it."""
+    path = Path(path)
+    shard = path / weight_map(path)[name]
+    with safe_open(str(shard), framework="pt") as f:
+        if rows is None:
+            return f.get_tensor(name)
+        sl = f.get_slice(name)
+        rows = rows.to(torch.long)
+        # read contiguous runs of ids: the draft vocab is sorted, so runs are long and memory stays at draft size
+        breaks = torch.nonzero(rows[1:] != rows[:-1] + 1).flatten() + 1
+        starts = torch.cat([torch.tensor([0]), breaks]).tolist()
+        ends = torch.cat([breaks, torch.tensor([len(rows)])]).tolist()
+        parts = [sl[int(rows[s]) : int(rows[e - 1]) + 1] for s, e in zip(starts, ends)]
+        return torch.cat(parts, dim=0)
+
+
+@dataclass
+class VerifierHead:
+    """The frozen verifier pieces the draft trains against; tensors in float32 on CPU."""
+
+    norm_weight: torch.Tensor  # [hidden]
+    rms_norm_eps: float
+    lm_head: torch.Tensor  # [vocab or draft_vocab, hidden]
+    embed_tokens: torch.Tensor | None  # [vocab, hidden]
+
+    def logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        """Teacher logits from the stored final state (output of the last layer, BEFORE the final norm).
+
+        final_hidden: [..., hidden] -> [..., rows of lm_head]
+        """
+        h = final_hidden.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.rms_norm_eps) * self.norm_weight
+        return h @ self.lm_head.T
+
+
+def load_verifier_head(
+    path: str | Path, draft_token_ids: torch.Tensor | None = None, with_embedding: bool = True
+) -> VerifierHead:
+    """Final norm + lm_head (rows = sorted draft-vocab target ids when given) + optionally the embedding."""
+    spec = VerifierSpec.from_path(path)
+    names = find_tensor_names(path)
+    if names["norm"] is None:
+        raise VerifierError(f"final norm weight (…model.norm.weight) not found in {path}")
+    lm_name = names["lm_head"] or (names["embed_tokens"] if spec.tie_word_embeddings else None)
+    if lm_name is None:
+        raise VerifierError(f"lm_head.weight not found in {path} and tie_word_embeddings is false")
+    if with_embedding and names["embed_tokens"] is None:
+        raise VerifierError(f"embed_tokens.weight not found in {path}")
+    if draft_token_ids is not None and int(draft_token_ids.max()) >= spec.vocab_size:
+        raise VerifierError(f"draft token id {int(draft_token_ids.max())} >= verifier vocab_size {spec.vocab_size}")
+    return VerifierHead(
+        norm_weight=read_tensor(path, names["norm"]).float(),
+        rms_norm_eps=spec.rms_norm_eps,
+        lm_head=read_tensor(path, lm_name, rows=draft_token_ids).float(),
+        embed_tokens=read_tensor(path, names["embed_tokens"]).float() if with_embedding else None,
+    )
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name.replace("torch.", "")]
+    except KeyError:
+        raise VerifierError(f"unsupported dtype {name!r}; use one of {sorted(_DTYPES)}") from None

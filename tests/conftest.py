@@ -1,0 +1,127 @@
+"""Shared tiny models for tests, built from configs in this one place (deterministic seeds, nothing downloaded).
+
+* ``tiny_llama_verifier``: a random-init 4-layer Llama saved with save_pretrained (float32), plus the bundled
+  tokenizer when it exists, for tests that need a real model folder but not a trained one.
+* ``kimi_like_target``: a random-init DeepseekV3 (MLA + MoE) language model saved SHARDED under the
+  ``language_model.`` prefix with a nested ``text_config``, as Kimi-K2.5 ships, to prove that the code finds
+  ``embed_tokens``, the final ``norm`` and ``lm_head`` through the safetensors index.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+BUNDLED_VERIFIER = REPO / "models" / "tiny-chat-verifier"
+BUNDLED_DATA = REPO / "data" / "stdlib-chat"
+
+TINY_LLAMA = dict(
+    vocab_size=8192,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+
+TINY_DEEPSEEK_V3 = dict(
+    vocab_size=1024,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_shared_experts=1,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    kv_lora_rank=16,
+    q_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+
+def save_tiny_llama(out: Path, seed: int = 0, **overrides) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**{**TINY_LLAMA, **overrides})
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(out, safe_serialization=True)
+    if (BUNDLED_VERIFIER / "tokenizer.json").exists() and cfg.vocab_size == 8192:
+        for f in BUNDLED_VERIFIER.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+                shutil.copy(f, out / f.name)
+    return out
+
+
+def save_kimi_like_target(out: Path, seed: int = 0, shard_size: str = "200KB") -> Path:
+    """DeepseekV3 language model nested like Kimi-K2.5: weights `language_model.<hf name>`, config `text_config`."""
+    from safetensors.torch import save_file
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = DeepseekV3Config(**TINY_DEEPSEEK_V3)
+    model = DeepseekV3ForCausalLM(cfg).eval()
+    out.mkdir(parents=True, exist_ok=True)
+    state = {f"language_model.{k}": v.contiguous() for k, v in model.state_dict().items()}
+    # shard by a byte budget, as save_pretrained does, so the three head tensors land in different files
+    budget = 200_000
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > budget:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                    "weight_map": weight_map}, indent=2)
+    )
+    text_config = cfg.to_dict()
+    text_config["torch_dtype"] = "float32"
+    (out / "config.json").write_text(
+        json.dumps({"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+                    "text_config": text_config, "torch_dtype": "float32"}, indent=2)
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_verifier(tmp_path_factory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama") / "verifier")
+
+
+@pytest.fixture(scope="session")
+def kimi_like_target(tmp_path_factory) -> Path:
+    return save_kimi_like_target(tmp_path_factory.mktemp("kimi-like") / "target")
+
+
+@pytest.fixture(scope="session")
+def bundled_verifier() -> Path:
+    if not (BUNDLED_VERIFIER / "model.safetensors").exists():
+        pytest.fail(f"bundled verifier missing at {BUNDLED_VERIFIER}: run scripts/build_tiny_verifier.py")
+    return BUNDLED_VERIFIER
