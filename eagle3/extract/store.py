@@ -1,0 +1,481 @@
+"""The hidden-state store: what extraction writes and the trainer reads (layout in docs/DESIGN.md).
+
+```
+store/store.json      format, verifier + fingerprint, aux_layer_ids (vLLM convention), hidden_size, n_aux, dtype,
+                      num_samples (dataset size), backend, group_size
+store/manifest.jsonl  one line per FINISHED sample, appended (flock + fsync) after its file is renamed into place:
+                      {"index": i, "file": "rows_0-1999/sample_000000012.safetensors", "tokens": T,
+                       "sha256": ..., "bytes": ...}
+store/rows_<a>-<b>/sample_<index:09d>.safetensors
+   aux_hidden_states   [T, n_aux * H]  store dtype, aux states concatenated in aux_layer_ids order (fc's input)
+   final_hidden_state  [T, H]          store dtype, output of the LAST decoder layer BEFORE the final norm
+   input_ids           [T] int64
+   loss_mask           [T] uint8 (1 = assistant token)
+```
+
+A sample file exists under its final name only once complete (temp name + fsync + rename), and a manifest line
+exists only for a file that is in place, so a crash at any point leaves at worst a stray temp file (removed by the
+next run) or a complete file without a manifest line (rewritten by the next run). A torn last manifest line
+(``kill -9`` inside the write) is ignored by the reader. Nothing here unpickles: safetensors only.
+
+``HiddenStateStore`` memory-maps sample files (``torch.UntypedStorage.from_file``, private mapping), so reading a
+sample costs page-cache reads of the rows actually touched, not a copy of the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save as safetensors_save
+
+from eagle3.io import atomic_write_json, atomic_write_text, sha256_file
+
+FORMAT = "eagle3-hidden-states/1"
+STORE_JSON = "store.json"
+MANIFEST = "manifest.jsonl"
+DEFAULT_GROUP_SIZE = 2000
+TMP_SUFFIX = ".tmp"
+KEYS = ("aux_hidden_states", "final_hidden_state", "input_ids", "loss_mask")
+
+_ST_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+STORE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# keys of store.json that must match for a rerun to resume into an existing store
+_RESUME_KEYS = ("format", "verifier_fingerprint", "aux_layer_ids", "hidden_size", "n_aux", "dtype", "num_samples",
+                "group_size")
+
+
+class StoreError(ValueError):
+    """A store folder, its metadata or one of its samples is not usable; the message names the path / sample."""
+
+
+def group_dir_name(index: int, group_size: int) -> str:
+    """``rows_<a>-<b>``: the folder holding sample ``index`` (groups of ``group_size`` samples)."""
+    a = index // group_size * group_size
+    return f"rows_{a}-{a + group_size - 1}"
+
+
+def sample_relpath(index: int, group_size: int) -> str:
+    return f"{group_dir_name(index, group_size)}/sample_{index:09d}.safetensors"
+
+
+def verifier_fingerprint(verifier: str | os.PathLike) -> str:
+    """sha256 of ``config.json`` + the weight index (sharded checkpoints; cheap even for a 1 TB verifier).
+
+    A single-file checkpoint has no index: its ``model.safetensors`` content is hashed instead (such models are small).
+    """
+    root = Path(verifier)
+    h = hashlib.sha256()
+    cfg = root / "config.json"
+    if not cfg.is_file():
+        raise StoreError(f"verifier config not found: {cfg}")
+    h.update(cfg.read_bytes())
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        h.update(index.read_bytes())
+    else:
+        files = sorted(root.glob("*.safetensors"))
+        if not files:
+            raise StoreError(f"no safetensors weights in {root}")
+        for f in files:
+            h.update(f.name.encode())
+            h.update(sha256_file(f).encode())
+    return h.hexdigest()
+
+
+def store_meta(
+    *,
+    verifier: str | os.PathLike,
+    aux_layer_ids: list[int],
+    hidden_size: int,
+    dtype: str,
+    num_samples: int,
+    backend: str = "transformers",
+    group_size: int = DEFAULT_GROUP_SIZE,
+    fingerprint: str | None = None,
+) -> dict[str, Any]:
+    """The ``store.json`` dict. ``aux_layer_ids`` in vLLM's convention (id k = residual stream entering layer k)."""
+    if dtype not in STORE_DTYPES:
+        raise StoreError(f"store dtype {dtype!r} not supported; use one of {sorted(STORE_DTYPES)}")
+    if group_size < 1:
+        raise StoreError(f"group_size must be >= 1 sample, got {group_size}")
+    return {
+        "format": FORMAT,
+        "verifier": str(verifier),
+        "verifier_fingerprint": fingerprint if fingerprint is not None else verifier_fingerprint(verifier),
+        "aux_layer_ids": [int(k) for k in aux_layer_ids],
+        "hidden_size": int(hidden_size),
+        "n_aux": len(aux_layer_ids),
+        "dtype": dtype,
+        "num_samples": int(num_samples),
+        "backend": backend,
+        "group_size": int(group_size),
+    }
+
+
+def init_store(
+    store_dir: str | os.PathLike,
+    *,
+    verifier: str | os.PathLike,
+    aux_layer_ids: list[int],
+    hidden_size: int,
+    num_samples: int,
+    dtype: str = "bfloat16",
+    backend: str = "transformers",
+    group_size: int = DEFAULT_GROUP_SIZE,
+    fingerprint: str | None = None,
+) -> dict[str, Any]:
+    """Create a store folder with its ``store.json`` (or check an existing one); returns the metadata in force.
+
+    ``aux_layer_ids`` in vLLM's convention; ``fingerprint`` defaults to ``verifier_fingerprint(verifier)``.
+    """
+    meta = store_meta(verifier=verifier, aux_layer_ids=aux_layer_ids, hidden_size=hidden_size, dtype=dtype,
+                      num_samples=num_samples, backend=backend, group_size=group_size, fingerprint=fingerprint)
+    return ensure_store(store_dir, meta)
+
+
+def ensure_store(store_dir: str | os.PathLike, meta: dict[str, Any]) -> dict[str, Any]:
+    """Write ``store.json`` (atomic) if absent, else check that the existing store matches ``meta`` (resume).
+
+    A store made from a different verifier / layers / dtype / dataset size raises ``StoreError`` naming the keys.
+    """
+    store_dir = Path(store_dir)
+    path = store_dir / STORE_JSON
+    if path.is_file():
+        old = _read_json(path)
+        diff = [k for k in _RESUME_KEYS if old.get(k) != meta.get(k)]
+        if diff:
+            detail = ", ".join(f"{k}: store has {old.get(k)!r}, run wants {meta.get(k)!r}" for k in diff)
+            raise StoreError(f"existing store {store_dir} does not match this extraction ({detail}); "
+                             f"use another output folder or delete it")
+        return old
+    store_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, meta)
+    return meta
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise StoreError(f"cannot read {path}: {e}") from None
+
+
+def serialize_sample(
+    aux: torch.Tensor, final: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, dtype: torch.dtype,
+    index: int,
+) -> bytes:
+    """safetensors bytes of one sample (shapes checked; states cast to the store ``dtype``).
+
+    aux: [T, n_aux * H], final: [T, H], input_ids: [T], loss_mask: [T]
+    """
+    t = int(input_ids.shape[0])
+    if aux.dim() != 2 or final.dim() != 2 or aux.shape[0] != t or final.shape[0] != t or loss_mask.shape != (t,):
+        raise StoreError(
+            f"sample {index}: inconsistent shapes aux {tuple(aux.shape)}, final {tuple(final.shape)}, "
+            f"input_ids {tuple(input_ids.shape)}, loss_mask {tuple(loss_mask.shape)} (want [T, n_aux*H], [T, H], [T], [T])"
+        )
+    tensors = {
+        "aux_hidden_states": aux.detach().to("cpu", dtype).contiguous(),
+        "final_hidden_state": final.detach().to("cpu", dtype).contiguous(),
+        "input_ids": input_ids.detach().to("cpu", torch.int64).contiguous(),
+        "loss_mask": loss_mask.detach().to("cpu", torch.uint8).contiguous(),
+    }
+    return safetensors_save(tensors, metadata={"format": "pt", "index": str(index)})
+
+
+def write_sample_bytes(store_dir: Path, index: int, data: bytes, tokens: int, group_size: int) -> dict[str, Any]:
+    """Write one serialized sample to its final name (temp + fsync + rename); returns its manifest entry."""
+    rel = sample_relpath(index, group_size)
+    final = store_dir / rel
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.{os.getpid()}{TMP_SUFFIX}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return {"index": int(index), "file": rel, "tokens": int(tokens), "sha256": hashlib.sha256(data).hexdigest(),
+            "bytes": len(data)}
+
+
+class ManifestAppender:
+    """Appends manifest lines durably: one ``write`` per line under ``flock`` (several shard writers may share a
+    store folder), then fsync, so a line exists only for a sample whose file is already in place."""
+
+    def __init__(self, store_dir: str | os.PathLike):
+        self.path = Path(store_dir) / MANIFEST
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def append(self, entry: dict[str, Any]) -> None:
+        line = (json.dumps(entry, sort_keys=True) + "\n").encode()
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            os.write(self.fd, line)
+            os.fsync(self.fd)
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def write_sample(
+    store_dir: str | os.PathLike,
+    index: int,
+    aux: torch.Tensor,
+    final: torch.Tensor,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+) -> dict[str, Any]:
+    """Write one sample into an initialised store and append its manifest line (for tests and small tools).
+
+    aux: [T, n_aux * H] (aux states concatenated in aux_layer_ids order), final: [T, H] (BEFORE the final norm),
+    input_ids: [T], loss_mask: [T] (1 = assistant token). States are cast to the store dtype.
+    """
+    store_dir = Path(store_dir)
+    meta = _read_json(store_dir / STORE_JSON)
+    h, n_aux = meta["hidden_size"], meta["n_aux"]
+    if aux.shape[-1] != n_aux * h or final.shape[-1] != h:
+        raise StoreError(f"sample {index}: aux last dim {aux.shape[-1]} / final last dim {final.shape[-1]} do not "
+                         f"match store {store_dir} (n_aux * hidden = {n_aux * h}, hidden = {h})")
+    if not 0 <= index < meta["num_samples"]:
+        raise StoreError(f"sample index {index} outside the store's 0..{meta['num_samples'] - 1}")
+    data = serialize_sample(aux, final, input_ids, loss_mask, STORE_DTYPES[meta["dtype"]], index)
+    entry = write_sample_bytes(store_dir, index, data, int(input_ids.shape[0]), meta["group_size"])
+    with ManifestAppender(store_dir) as m:
+        m.append(entry)
+    return entry
+
+
+def read_manifest(store_dir: str | os.PathLike) -> dict[int, dict[str, Any]]:
+    """index -> latest manifest entry. A torn LAST line (crash inside the append) is ignored; any other bad line
+    raises ``StoreError`` naming the line."""
+    path = Path(store_dir) / MANIFEST
+    if not path.is_file():
+        return {}
+    raw = path.read_bytes()
+    lines = raw.split(b"\n")
+    out: dict[int, dict[str, Any]] = {}
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+            idx = int(entry["index"])
+            entry["file"], entry["tokens"], entry["sha256"]
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            if n == len(lines):  # no trailing newline: the last write was cut short
+                continue
+            raise StoreError(f"{path} line {n} is not a manifest entry: {line[:200]!r}") from None
+        out[idx] = entry
+    return out
+
+
+def rewrite_manifest(store_dir: str | os.PathLike, entries: dict[int, dict[str, Any]]) -> None:
+    """Replace the manifest with one line per index (sorted), atomically."""
+    text = "".join(json.dumps(entries[i], sort_keys=True) + "\n" for i in sorted(entries))
+    atomic_write_text(Path(store_dir) / MANIFEST, text)
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict[str, Any], int]:
+    """(safetensors header dict, byte offset of the data section). Raises StoreError for a damaged file."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise StoreError(f"{path}: truncated safetensors file")
+            (n,) = struct.unpack("<Q", head)
+            if n > 100_000_000:
+                raise StoreError(f"{path}: implausible safetensors header length {n}")
+            header = json.loads(f.read(n))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise StoreError(f"{path}: unreadable safetensors header ({e})") from None
+    return header, 8 + n
+
+
+def mmap_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors file as views of one private memory map (no copy; pages load on access)."""
+    path = Path(path)
+    header, start = read_header(path)
+    size = path.stat().st_size
+    storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
+    out: dict[str, torch.Tensor] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise StoreError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        begin, end = (start + o for o in info["data_offsets"])
+        shape = list(info["shape"])
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        numel = 1
+        for s in shape:
+            numel *= s
+        if end > size or end - begin != numel * itemsize:
+            raise StoreError(f"{path}: tensor {name} lies outside the file or has the wrong byte length")
+        if begin % itemsize == 0:
+            t = torch.empty(0, dtype=dtype).set_(storage, begin // itemsize, shape)
+        else:  # misaligned (not produced by safetensors' own writer): copy this one tensor
+            t = torch.frombuffer(bytearray(storage[begin:end]), dtype=dtype).reshape(shape)
+        out[name] = t
+    return out
+
+
+class HiddenStateStore:
+    """Read access to a finished (or partly finished) store; the only way trainers read hidden states.
+
+    ``len(store)`` and ``indices()`` count samples with a manifest line. ``load(i)`` returns
+    ``{"aux_hidden_states": [T, n_aux*H], "final_hidden_state": [T, H], "input_ids": [T] int64,
+    "loss_mask": [T] uint8}`` memory-mapped from the sample's file.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        meta_path = self.path / STORE_JSON
+        if not meta_path.is_file():
+            raise StoreError(f"not a hidden-state store: {meta_path} is missing")
+        self.meta: dict[str, Any] = _read_json(meta_path)
+        if self.meta.get("format") != FORMAT:
+            raise StoreError(f"{meta_path}: format {self.meta.get('format')!r}, expected {FORMAT!r}")
+        self._entries = read_manifest(self.path)
+        self._sorted = sorted(self._entries)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.meta["hidden_size"])
+
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        """vLLM convention: id k = residual stream entering decoder layer k."""
+        return list(self.meta["aux_layer_ids"])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return STORE_DTYPES[self.meta["dtype"]]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, index: int) -> bool:
+        return index in self._entries
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._sorted)
+
+    def indices(self) -> list[int]:
+        return list(self._sorted)
+
+    def entry(self, index: int) -> dict[str, Any]:
+        try:
+            return self._entries[index]
+        except KeyError:
+            raise StoreError(f"sample {index} is not in store {self.path} (no manifest line)") from None
+
+    def tokens(self, index: int) -> int:
+        return int(self.entry(index)["tokens"])
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(int(e["tokens"]) for e in self._entries.values())
+
+    def file(self, index: int) -> Path:
+        return self.path / self.entry(index)["file"]
+
+    def missing_indices(self, start: int = 0, end: int | None = None) -> list[int]:
+        """Dataset indices in [start, end) without a finished sample."""
+        end = self.meta["num_samples"] if end is None else end
+        return [i for i in range(start, end) if i not in self._entries]
+
+    def load(self, index: int) -> dict[str, torch.Tensor]:
+        path = self.file(index)
+        if not path.is_file():
+            raise StoreError(f"sample {index}: file {path} listed in the manifest is missing")
+        tensors = mmap_safetensors(path)
+        self._check(index, path, tensors)
+        return tensors
+
+    def _check(self, index: int, path: Path, t: dict[str, torch.Tensor]) -> None:
+        missing = [k for k in KEYS if k not in t]
+        if missing:
+            raise StoreError(f"sample {index} ({path}): missing tensors {missing}")
+        n = self.tokens(index)
+        h, n_aux = self.hidden_size, int(self.meta["n_aux"])
+        want = {"aux_hidden_states": (n, n_aux * h), "final_hidden_state": (n, h), "input_ids": (n,), "loss_mask": (n,)}
+        for k, shape in want.items():
+            if tuple(t[k].shape) != shape:
+                raise StoreError(f"sample {index} ({path}): {k} has shape {tuple(t[k].shape)}, expected {shape}")
+        for k in ("aux_hidden_states", "final_hidden_state"):
+            if t[k].dtype != self.dtype:
+                raise StoreError(f"sample {index} ({path}): {k} is {t[k].dtype}, store dtype is {self.meta['dtype']}")
+
+    def check_file(self, index: int, hash_check: bool = True) -> str | None:
+        """None when sample ``index`` is intact, else the reason (size/sha256 mismatch, bad header, shapes)."""
+        entry = self.entry(index)
+        path = self.path / entry["file"]
+        if not path.is_file():
+            return f"file {path} is missing"
+        if "bytes" in entry and path.stat().st_size != int(entry["bytes"]):
+            return f"file {path} has {path.stat().st_size} bytes, manifest says {entry['bytes']}"
+        if hash_check and sha256_file(path) != entry["sha256"]:
+            return f"file {path} does not match its manifest sha256"
+        try:
+            self._check(index, path, mmap_safetensors(path))
+        except StoreError as e:
+            return str(e)
+        return None
+
+    def verify(self, hash_check: bool = True, check_finite: bool = False) -> dict[str, int]:
+        """Check every listed sample (file present, sha256, shapes, dtypes; optionally no NaN/Inf).
+
+        Returns {"samples", "tokens", "bytes"}; raises StoreError naming the first bad samples.
+        """
+        bad: list[str] = []
+        nbytes = 0
+        for i in self._sorted:
+            reason = self.check_file(i, hash_check=hash_check)
+            if reason is None and check_finite:
+                t = self.load(i)
+                for k in ("aux_hidden_states", "final_hidden_state"):
+                    if not torch.isfinite(t[k]).all():
+                        reason = f"{k} has NaN/Inf"
+            if reason is not None:
+                bad.append(f"sample {i}: {reason}")
+            else:
+                nbytes += self.file(i).stat().st_size
+        if bad:
+            more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+            raise StoreError(f"store {self.path}: {len(bad)} bad samples: " + "; ".join(bad[:5]) + more)
+        return {"samples": len(self._sorted), "tokens": self.total_tokens, "bytes": nbytes}
+
+    def __repr__(self) -> str:
+        return (f"HiddenStateStore({str(self.path)!r}, samples={len(self)}/{self.meta['num_samples']}, "
+                f"hidden={self.hidden_size}, aux_layer_ids={self.aux_layer_ids} (vLLM convention), "
+                f"dtype={self.meta['dtype']})")
