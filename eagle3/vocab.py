@@ -1,0 +1,239 @@
+"""Draft vocabulary: the most frequent ASSISTANT tokens of the prepared dataset, and the d2t / t2d tables.
+
+Pipeline position: data -> **vocab** -> train / validate / checkpoint.
+
+* ``count_assistant_tokens`` counts token ids over loss-masked positions only (mask 1 = assistant token), streaming
+  the Arrow dataset in record batches and counting each batch with one ``torch.bincount``.
+* ``build_vocab_mapping`` keeps the ``draft_vocab_size`` most frequent ids (ties: higher count first, then lower id),
+  sorted ascending by id, and builds
+
+      d2t [draft_vocab]  int64  OFFSET table: target_id = draft_id + d2t[draft_id]
+      t2d [target_vocab] bool   True exactly at the kept target ids
+
+  as vLLM's ``Eagle3LlamaForCausalLM`` reads them (see shared/EAGLE3_FACTS.md).
+* ``save_mapping`` / ``load_mapping`` write and check ``mapping.safetensors`` + ``report.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pyarrow.compute as pc
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from eagle3.io import atomic_path, atomic_write_json
+
+log = logging.getLogger("eagle3")
+
+MAPPING_FILE = "mapping.safetensors"
+REPORT_FILE = "report.json"
+_BATCH_SAMPLES = 4096  # samples per Arrow record batch while counting (memory ~ batch tokens * 9 bytes)
+_TOP_TOKENS_IN_REPORT = 50
+
+
+class VocabError(ValueError):
+    """Bad vocab input (dataset, sizes) or a mapping file that fails its checks; the message names it."""
+
+
+class VocabConfig(BaseModel):
+    """Draft-vocabulary knobs. Frequencies are always counted over loss-masked (assistant) tokens."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    draft_vocab_size: int = Field(
+        32000,
+        gt=0,
+        description="Size of the draft model's output vocabulary, in tokens: the most frequent assistant-token ids "
+        "of the training data (32000 in the public Kimi-K2 EAGLE-3 draft).",
+    )
+
+
+def _open_dataset(dataset_dir: str | Path):
+    import datasets
+
+    dataset_dir = Path(dataset_dir)
+    if not dataset_dir.is_dir():
+        raise VocabError(f"dataset folder not found: {dataset_dir} (expected datasets.Dataset.save_to_disk output)")
+    try:
+        ds = datasets.load_from_disk(str(dataset_dir))
+    except (OSError, ValueError) as e:  # FileNotFoundError, ArrowInvalid, ... for broken folders
+        raise VocabError(f"cannot open dataset {dataset_dir}: {e}") from None
+    if not isinstance(ds, datasets.Dataset):
+        raise VocabError(f"{dataset_dir} holds a DatasetDict; pass the folder of one split")
+    missing = {"input_ids", "loss_mask"} - set(ds.column_names)
+    if missing:
+        raise VocabError(f"dataset {dataset_dir} lacks column(s) {sorted(missing)} (has {ds.column_names})")
+    return ds.select_columns(["input_ids", "loss_mask"])
+
+
+def count_assistant_tokens(
+    dataset_dir: str | Path, target_vocab_size: int, batch_samples: int = _BATCH_SAMPLES
+) -> torch.Tensor:
+    """Occurrences of each target token id at loss-masked (assistant) positions -> [target_vocab_size] int64.
+
+    Checks every sample on the way: equal input_ids / loss_mask lengths, mask values in {0, 1}, ids inside
+    [0, target_vocab_size) (an id outside means the dataset was tokenized for another verifier).
+    """
+    ds = _open_dataset(dataset_dir)
+    counts = torch.zeros(target_vocab_size, dtype=torch.int64)
+    first = 0  # dataset index of the batch's first sample
+    for table in ds.with_format("arrow").iter(batch_size=batch_samples):
+        ids_col, mask_col = table.column("input_ids"), table.column("loss_mask")
+        if ids_col.null_count or mask_col.null_count:
+            raise VocabError(
+                f"dataset {dataset_dir}: null input_ids/loss_mask in samples {first}..{first + len(table) - 1}"
+            )
+        n_ids = pc.list_value_length(ids_col).to_numpy()  # [batch]
+        n_mask = pc.list_value_length(mask_col).to_numpy()  # [batch]
+        if not np.array_equal(n_ids, n_mask):
+            i = int(np.flatnonzero(n_ids != n_mask)[0])
+            raise VocabError(
+                f"dataset {dataset_dir}, sample {first + i}: input_ids has {n_ids[i]} tokens but loss_mask {n_mask[i]}"
+            )
+        ids = torch.from_numpy(pc.list_flatten(ids_col).to_numpy().astype(np.int64))  # [batch tokens]
+        mask = torch.from_numpy(pc.list_flatten(mask_col).to_numpy().astype(np.int64))  # [batch tokens]
+
+        bad = torch.nonzero((ids < 0) | (ids >= target_vocab_size)).flatten()
+        if len(bad):
+            p = int(bad[0])
+            raise VocabError(
+                f"dataset {dataset_dir}, sample {_sample_at(first, n_ids, p)}: token id {int(ids[p])} outside the "
+                f"target vocabulary [0, {target_vocab_size}) (dataset tokenized for another verifier?)"
+            )
+        bad = torch.nonzero((mask != 0) & (mask != 1)).flatten()
+        if len(bad):
+            p = int(bad[0])
+            raise VocabError(
+                f"dataset {dataset_dir}, sample {_sample_at(first, n_ids, p)}: loss_mask value {int(mask[p])} "
+                "(expected 0 or 1)"
+            )
+        counts += torch.bincount(ids[mask.bool()], minlength=target_vocab_size)
+        first += len(table)
+    return counts
+
+
+def _sample_at(first: int, lengths: np.ndarray, pos: int) -> int:
+    """Dataset index of the sample holding flat token position ``pos`` of a batch starting at sample ``first``."""
+    return first + int(np.searchsorted(np.cumsum(lengths), pos, side="right"))
+
+
+def build_vocab_mapping(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Top ``draft_vocab_size`` ids of ``counts`` [target_vocab] -> (d2t [draft_vocab] int64, t2d [target_vocab] bool,
+    report).
+
+    Ties: higher count first, then lower id. When fewer ids were seen than the draft vocabulary holds, the remaining
+    slots take unseen ids by the same rule (count 0 -> lowest ids first) and the report says how many.
+    """
+    counts = counts.to(torch.int64).flatten()  # [target_vocab]
+    target_vocab_size = len(counts)
+    if draft_vocab_size > target_vocab_size:
+        raise VocabError(
+            f"draft_vocab_size {draft_vocab_size} is larger than the target vocabulary ({target_vocab_size} tokens)"
+        )
+    if draft_vocab_size <= 0:
+        raise VocabError(f"draft_vocab_size must be positive, got {draft_vocab_size}")
+    total = int(counts.sum())
+    if total == 0:
+        raise VocabError("no loss-masked (assistant) tokens were counted: cannot choose a draft vocabulary")
+    # stable sort keeps ascending id order among equal counts -> the tie-break "lower id first"
+    order = torch.sort(counts, descending=True, stable=True).indices  # [target_vocab]
+    kept = torch.sort(order[:draft_vocab_size]).values  # [draft_vocab] target ids, ascending
+    d2t = kept - torch.arange(draft_vocab_size, dtype=torch.int64)  # [draft_vocab]
+    t2d = torch.zeros(target_vocab_size, dtype=torch.bool)  # [target_vocab]
+    t2d[kept] = True
+
+    distinct = int((counts > 0).sum())
+    covered = int(counts[kept].sum())
+    top = order[: min(_TOP_TOKENS_IN_REPORT, distinct)]
+    report = {
+        "draft_vocab_size": draft_vocab_size,
+        "target_vocab_size": target_vocab_size,
+        "count_source": "loss-masked (assistant) tokens",
+        "distinct_tokens_seen": distinct,
+        "assistant_token_occurrences": total,
+        "covered_occurrences": covered,
+        "coverage": covered / total,
+        "seen_tokens_dropped": max(0, distinct - draft_vocab_size),
+        "unseen_tokens_filled": max(0, draft_vocab_size - distinct),
+        "top_tokens": [{"id": int(i), "count": int(counts[i])} for i in top],
+    }
+    if report["unseen_tokens_filled"]:
+        report["note"] = (
+            f"only {distinct} distinct assistant tokens were seen; the other {report['unseen_tokens_filled']} draft "
+            "slots hold unseen target ids, lowest ids first"
+        )
+        log.warning("[vocab] %s", report["note"])
+    return d2t, t2d, report
+
+
+def save_mapping(out_dir: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, report: dict) -> Path:
+    """Write ``mapping.safetensors`` (d2t, t2d) and ``report.json`` atomically; return the mapping path."""
+    out_dir = Path(out_dir)
+    _check_mapping(d2t, t2d, out_dir / MAPPING_FILE)
+    path = out_dir / MAPPING_FILE
+    with atomic_path(path) as tmp:
+        save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, str(tmp), metadata={"format": "pt"})
+    atomic_write_json(out_dir / REPORT_FILE, report)
+    return path
+
+
+def load_mapping(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read and check (d2t [draft_vocab] int64, t2d [target_vocab] bool) from ``mapping.safetensors`` or its folder."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / MAPPING_FILE
+    if not path.is_file():
+        raise VocabError(f"vocab mapping not found: {path}")
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise VocabError(f"vocab mapping {path} is not a readable safetensors file: {e}") from None
+    missing = {"d2t", "t2d"} - set(tensors)
+    if missing:
+        raise VocabError(f"vocab mapping {path} lacks tensor(s) {sorted(missing)} (has {sorted(tensors)})")
+    d2t, t2d = tensors["d2t"], tensors["t2d"]
+    _check_mapping(d2t, t2d, path)
+    return d2t, t2d
+
+
+def _check_mapping(d2t: torch.Tensor, t2d: torch.Tensor, path: Path) -> None:
+    if d2t.dtype != torch.int64 or d2t.dim() != 1:
+        raise VocabError(f"vocab mapping {path}: d2t must be 1-D int64, got {d2t.dtype} {list(d2t.shape)}")
+    if t2d.dtype != torch.bool or t2d.dim() != 1:
+        raise VocabError(f"vocab mapping {path}: t2d must be 1-D bool, got {t2d.dtype} {list(t2d.shape)}")
+    draft, target = len(d2t), len(t2d)
+    if draft == 0 or draft > target:
+        raise VocabError(f"vocab mapping {path}: draft vocab {draft} must be in 1..target vocab {target}")
+    ids = torch.arange(draft, dtype=torch.int64) + d2t  # [draft_vocab] target ids
+    if int(ids.min()) < 0 or int(ids.max()) >= target or not bool((ids[1:] > ids[:-1]).all()):
+        raise VocabError(
+            f"vocab mapping {path}: arange + d2t must give strictly ascending target ids in [0, {target})"
+        )
+    if int(t2d.sum()) != draft or not bool(t2d[ids].all()):
+        raise VocabError(
+            f"vocab mapping {path}: t2d must be True exactly at the {draft} target ids arange + d2t "
+            f"(it has {int(t2d.sum())} True entries)"
+        )
+
+
+def build_vocab(cfg: VocabConfig, dataset_dir: str | Path, target_vocab_size: int, out_dir: str | Path) -> dict:
+    """Count, choose, write. Returns the report plus ``mapping_path`` / ``report_path``."""
+    if cfg.draft_vocab_size > target_vocab_size:  # fail before reading the dataset
+        raise VocabError(
+            f"draft_vocab_size {cfg.draft_vocab_size} is larger than the target vocabulary ({target_vocab_size} tokens)"
+        )
+    counts = count_assistant_tokens(dataset_dir, target_vocab_size)
+    d2t, t2d, report = build_vocab_mapping(counts, cfg.draft_vocab_size)
+    report["dataset"] = str(dataset_dir)
+    mapping = save_mapping(out_dir, d2t, t2d, report)
+    log.info(
+        "[vocab] draft vocab %d of %d: %d distinct assistant tokens seen, coverage %.4f of %d assistant tokens",
+        cfg.draft_vocab_size, target_vocab_size, report["distinct_tokens_seen"], report["coverage"],
+        report["assistant_token_occurrences"],
+    )
+    return {**report, "mapping_path": str(mapping), "report_path": str(Path(out_dir) / REPORT_FILE)}
