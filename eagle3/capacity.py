@@ -1,0 +1,343 @@
+"""Capacity planning before extraction: how many bytes the hidden-state store needs, whether the destination holds
+them with a margin, and roughly how long extraction takes.
+
+Pipeline position: data -> **capacity** -> extract. Reads the verifier's ``config.json`` only (no weights; the
+weight byte count comes from the safetensors index or file sizes) and the per-sample token lengths of the prepared
+dataset (the ``input_ids`` list lengths, read from Arrow without touching the token values).
+
+Store bytes per sample of T tokens (docs/DESIGN.md, one safetensors file per sample):
+
+    hidden states  T * (n_aux + 1) * hidden * dtype_bytes      aux_hidden_states [T, n_aux*H] + final [T, H]
+    overhead       T * (8 + 1) + header(T, index)               input_ids int64 + loss_mask uint8 + safetensors header
+
+(manifest.jsonl lines, ~150 bytes per sample, and filesystem block rounding are left to the margin.)
+
+Kimi-K2.5 (hidden 7168, aux [2, 30, 58] + final, bf16): 57,344 B/token of hidden states, 29,360,128 B for 512 tokens.
+Aux layer ids are in vLLM's convention (id k = residual stream ENTERING decoder layer k).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Sequence
+from fractions import Fraction
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from eagle3.io import atomic_write_json
+from eagle3.progress import fmt_duration
+from eagle3.verifier import VerifierSpec, torch_dtype
+
+log = logging.getLogger("eagle3")
+
+PLAN_FILE = "plan.json"
+_ST_DTYPE = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}
+_TOKEN_TENSORS = (("input_ids", "I64", 8), ("loss_mask", "U8", 1))  # per-token bookkeeping stored beside the states
+
+
+class CapacityError(ValueError):
+    """The store would not fit at the destination (or the plan's input is unusable); the message gives the numbers."""
+
+
+class CapacityConfig(BaseModel):
+    """Disk and time planning knobs for the hidden-state store."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    store_dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="dtype of the stored hidden states (2 or 4 bytes per value)."
+    )
+    disk_margin_fraction: float = Field(
+        0.10,
+        ge=0.0,
+        description="Extra free space required on top of the store's exact size, as a fraction of that size "
+        "(0.10 = the destination must have 110% of the store's bytes free).",
+    )
+    model_load_seconds: float | None = Field(
+        None,
+        ge=0.0,
+        description="Seconds to load the verifier before extraction starts. None = derive it as weight bytes "
+        "(safetensors index total_size, else the *.safetensors file sizes) / model_load_bytes_per_second.",
+    )
+    model_load_bytes_per_second: float = Field(
+        450e6,
+        gt=0.0,
+        description="Bytes per second the verifier loads at, used when model_load_seconds is None. 450 MB/s "
+        "reproduces the original Kimi-K2.5 run: roughly 595 GB of weights in about 22 minutes (1,320 s).",
+    )
+    extraction_tokens_per_second: float = Field(
+        2500.0,
+        gt=0.0,
+        description="Tokens per second of hidden-state extraction (prefill + store writes); the original Kimi-K2.5 "
+        "run measured 2,300-2,900 tokens/s on its GPU node.",
+    )
+    on_insufficient: Literal["fail", "warn"] = Field(
+        "fail",
+        description="What to do when the store (plus margin) exceeds the destination's free bytes: 'fail' raises "
+        "CapacityError before extraction, 'warn' records a warning in the plan and goes on.",
+    )
+
+
+class CapacityPlan(BaseModel):
+    """Bytes (exact for this dataset) and seconds (estimates) of one extraction. All sizes in bytes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    verifier: str
+    aux_layer_ids: list[int] = Field(description="vLLM convention: id k = residual stream entering decoder layer k")
+    hidden_size: int
+    num_hidden_layers: int
+    store_dtype: str
+    dtype_bytes: int
+    bytes_per_token: int = Field(description="hidden-state bytes per token: (n_aux + 1) * hidden * dtype_bytes")
+    overhead_bytes_per_token: int = Field(description="input_ids int64 + loss_mask uint8 per token")
+    num_samples: int
+    total_tokens: int
+    longest_sample_tokens: int
+    max_seq_len: int = Field(description="tokens; the data stage's cap on sample length")
+    hidden_state_bytes: int
+    overhead_bytes: int = Field(description="per-token bookkeeping + safetensors headers of every sample file")
+    header_bytes: int = Field(description="safetensors headers alone (part of overhead_bytes)")
+    total_bytes: int = Field(description="exact store size for this dataset: hidden_state_bytes + overhead_bytes")
+    worst_case_tokens: int = Field(description="num_samples * max_seq_len")
+    worst_case_bytes: int = Field(description="store size if every sample had max_seq_len tokens")
+    destination: str
+    free_bytes: int | None = Field(description="free bytes at the destination; None = the filesystem cannot tell")
+    free_space_checked_at: str | None = Field(description="existing folder whose filesystem was measured")
+    disk_margin_fraction: float
+    required_free_bytes: int = Field(description="ceil(total_bytes * (1 + disk_margin_fraction))")
+    fits: bool | None = Field(description="required_free_bytes <= free_bytes; None when free space is unknown")
+    weight_bytes: int | None = Field(description="verifier weight bytes (index total_size or file sizes)")
+    model_load_seconds: float
+    model_load_source: str
+    extraction_tokens_per_second: float
+    extraction_seconds: float
+    estimated_seconds: float = Field(description="model_load_seconds + extraction_seconds")
+    warnings: list[str]
+
+    def summary(self) -> str:
+        free = "unknown" if self.free_bytes is None else _bytes(self.free_bytes)
+        verdict = {True: "fits", False: "DOES NOT FIT", None: "free space unknown"}[self.fits]
+        lines = [
+            (f"Hidden-state store for {self.num_samples:,} samples, {self.total_tokens:,} tokens "
+             f"(longest {self.longest_sample_tokens:,}, max_seq_len {self.max_seq_len:,} tokens)"),
+            (f"  {self.bytes_per_token:,} bytes per token = ({len(self.aux_layer_ids)} aux layers "
+             f"{self.aux_layer_ids} (vLLM ids) + final) x hidden {self.hidden_size:,} x {self.dtype_bytes} bytes "
+             f"({self.store_dtype})"),
+            (f"  exact size: {_bytes(self.total_bytes)} = hidden states {_bytes(self.hidden_state_bytes)} "
+             f"+ overhead {_bytes(self.overhead_bytes)} (token ids, loss masks, file headers)"),
+            f"  worst case at max_seq_len: {_bytes(self.worst_case_bytes)}",
+            (f"  destination {self.destination}: free {free}, needed with {self.disk_margin_fraction:.0%} margin "
+             f"{_bytes(self.required_free_bytes)}: {verdict}"),
+            (f"  time estimate: {fmt_duration(self.estimated_seconds)} (h:mm:ss) = model load "
+             f"{fmt_duration(self.model_load_seconds)} ({self.model_load_source}) + extraction "
+             f"{fmt_duration(self.extraction_seconds)} at {self.extraction_tokens_per_second:,.0f} tokens/s"),
+        ]
+        lines += [f"  warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+    def save_plan(self, out_dir: str | Path) -> Path:
+        """Write ``<out_dir>/plan.json`` atomically; return its path."""
+        return atomic_write_json(Path(out_dir) / PLAN_FILE, self.model_dump(mode="json"))
+
+
+def _bytes(n: int) -> str:
+    return f"{n:,} bytes ({n / 1e9:,.2f} GB, {n / 2**30:,.2f} GiB)"
+
+
+def safetensors_header_bytes(
+    tensors: Sequence[tuple[str, str, Sequence[int]]], metadata: dict[str, str] | None = None
+) -> int:
+    """Bytes before the tensor data in a safetensors file: 8-byte length + JSON header padded to a multiple of 8.
+
+    ``tensors``: (name, safetensors dtype such as "BF16", shape). Mirrors the safetensors writer: ``__metadata__``
+    first, tensors laid out by dtype size (largest first) then name, compact JSON, padding with spaces.
+    """
+    size = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "BOOL": 1}
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, dtype, shape in sorted(tensors, key=lambda t: (-size[t[1]], t[0])):
+        nbytes = size[dtype] * math.prod(shape)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    n = len(json.dumps(header, separators=(",", ":")).encode())
+    return 8 + n + (-n) % 8
+
+
+def store_file_bytes(tokens: int, n_aux: int, hidden_size: int, store_dtype: str, index: int) -> tuple[int, int, int]:
+    """(hidden-state bytes, per-token bookkeeping bytes, header bytes) of the store file of sample ``index``.
+
+    Mirrors ``eagle3.extract.store.serialize_sample`` (tensor names, dtypes, metadata {"format", "index"}); the
+    header depends on the token count and on the number of digits of the sample index.
+    """
+    st_dtype, nbytes = _ST_DTYPE[store_dtype]
+    tensors = [
+        ("aux_hidden_states", st_dtype, (tokens, n_aux * hidden_size)),
+        ("final_hidden_state", st_dtype, (tokens, hidden_size)),
+        *((name, dt, (tokens,)) for name, dt, _ in _TOKEN_TENSORS),
+    ]
+    per_token = sum(b for _, _, b in _TOKEN_TENSORS)
+    header = safetensors_header_bytes(tensors, {"format": "pt", "index": str(index)})
+    return tokens * (n_aux + 1) * hidden_size * nbytes, tokens * per_token, header
+
+
+def _total_header_bytes(lengths: np.ndarray, n_aux: int, hidden_size: int, store_dtype: str) -> int:
+    """Sum of the store's file headers for samples 0..N-1 of the given token lengths [N].
+
+    Headers differ only through the token count and the digit count of the index: one computation per distinct pair.
+    """
+    if not len(lengths):
+        return 0
+    powers = 10 ** np.arange(1, 19, dtype=np.int64)  # [18] 10 .. 10**18
+    digits = 1 + np.searchsorted(powers, np.arange(len(lengths)), side="right")  # [N] digits of each sample index
+    pairs, reps = np.unique(np.stack([lengths, digits], axis=1), axis=0, return_counts=True)
+    return sum(
+        int(r) * store_file_bytes(int(t), n_aux, hidden_size, store_dtype, 10 ** (int(d) - 1))[2]
+        for (t, d), r in zip(pairs, reps)
+    )
+
+
+def sample_lengths(dataset_dir: str | Path) -> np.ndarray:
+    """Token count of every sample of a prepared dataset -> [num_samples] int64, from the Arrow list offsets only."""
+    import datasets
+    import pyarrow.compute as pc
+
+    dataset_dir = Path(dataset_dir)
+    if not dataset_dir.is_dir():
+        raise CapacityError(f"dataset folder not found: {dataset_dir} (expected datasets.Dataset.save_to_disk output)")
+    try:
+        ds = datasets.load_from_disk(str(dataset_dir))
+    except (OSError, ValueError) as e:  # FileNotFoundError, ArrowInvalid, ... for broken folders
+        raise CapacityError(f"cannot open dataset {dataset_dir}: {e}") from None
+    if not isinstance(ds, datasets.Dataset) or "input_ids" not in ds.column_names:
+        raise CapacityError(f"dataset {dataset_dir} has no input_ids column (expected the data stage's output)")
+    parts = [
+        pc.list_value_length(t.column("input_ids")).to_numpy(zero_copy_only=False)
+        for t in ds.select_columns(["input_ids"]).with_format("arrow").iter(batch_size=65536)
+    ]
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+
+
+def free_space(dest: str | os.PathLike) -> tuple[int | None, str | None, str | None]:
+    """(free bytes, folder measured, warning). Local paths (also file://) are measured with psutil at the nearest
+    existing folder; other fsspec filesystems expose no free-space call, so they come back unknown with a warning."""
+    import fsspec
+    import psutil
+    from fsspec.implementations.local import LocalFileSystem
+
+    dest = os.fspath(dest)
+    try:
+        fs, path = fsspec.core.url_to_fs(dest)
+    except (ImportError, ValueError) as e:
+        return None, None, f"cannot open destination {dest} with fsspec ({e}); free space unknown, not checked"
+    if not isinstance(fs, LocalFileSystem):
+        return None, None, (
+            f"destination {dest} is on a {type(fs).__name__} filesystem, which cannot report free space; "
+            "free space unknown, not checked"
+        )
+    p = Path(path).expanduser().absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return int(psutil.disk_usage(str(p)).free), str(p), None
+
+
+def _weight_bytes(spec: VerifierSpec) -> int | None:
+    index = spec.path / "model.safetensors.index.json"
+    if index.is_file():
+        total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+        if total:
+            return int(total)
+    files = list(spec.path.glob("*.safetensors"))
+    return sum(f.stat().st_size for f in files) if files else None
+
+
+def plan_capacity(
+    verifier_path: str | Path,
+    aux_layer_ids: Sequence[int],
+    dataset: str | Path | Sequence[int],
+    dest: str | os.PathLike,
+    cfg: CapacityConfig,
+    max_seq_len: int,
+) -> CapacityPlan:
+    """Plan the store of ``dataset`` (a prepared dataset folder, or its per-sample token lengths) at ``dest``.
+
+    ``aux_layer_ids`` use vLLM's convention. Raises ``CapacityError`` when ``cfg.on_insufficient == "fail"`` and the
+    store plus margin exceeds the destination's free space; a destination whose free space is unknown only warns.
+    """
+    spec = VerifierSpec.from_path(verifier_path)
+    aux = [int(k) for k in aux_layer_ids]
+    spec.check_aux_layer_ids(aux)
+    torch_dtype(cfg.store_dtype)  # one vocabulary of dtype names with the rest of the pipeline
+    if max_seq_len <= 0:
+        raise CapacityError(f"max_seq_len must be a positive number of tokens, got {max_seq_len}")
+    lengths = sample_lengths(dataset) if isinstance(dataset, (str, Path)) else np.asarray(dataset, dtype=np.int64)
+    if lengths.ndim != 1 or (len(lengths) and int(lengths.min()) < 0):
+        raise CapacityError("sample lengths must be a flat list of non-negative token counts")
+    warnings: list[str] = []
+
+    n_aux, hidden = len(aux), spec.hidden_size
+    _, dtype_bytes = _ST_DTYPE[cfg.store_dtype]
+    bytes_per_token = (n_aux + 1) * hidden * dtype_bytes
+    overhead_per_token = sum(b for _, _, b in _TOKEN_TENSORS)
+    total_tokens = int(lengths.sum())
+    header = _total_header_bytes(lengths, n_aux, hidden, cfg.store_dtype)
+    hidden_bytes = total_tokens * bytes_per_token
+    overhead = total_tokens * overhead_per_token + header
+    total = hidden_bytes + overhead
+    longest = int(lengths.max()) if len(lengths) else 0
+    if longest > max_seq_len:
+        warnings.append(f"longest sample has {longest:,} tokens, more than max_seq_len {max_seq_len:,}")
+    worst_tokens = len(lengths) * max_seq_len
+    worst_lengths = np.full(len(lengths), max_seq_len, dtype=np.int64)  # [N]
+    worst = worst_tokens * (bytes_per_token + overhead_per_token) + _total_header_bytes(
+        worst_lengths, n_aux, hidden, cfg.store_dtype
+    )
+
+    free, checked_at, why = free_space(dest)
+    if why:
+        warnings.append(why)
+    # exact integer arithmetic: a float product loses whole bytes beyond 2**53 (9 PB)
+    required = total + math.ceil(total * Fraction(repr(cfg.disk_margin_fraction)))
+    fits = None if free is None else required <= free
+
+    weight_bytes = _weight_bytes(spec)
+    if cfg.model_load_seconds is not None:
+        load_s, load_src = cfg.model_load_seconds, "configured"
+    elif weight_bytes is not None:
+        load_s = weight_bytes / cfg.model_load_bytes_per_second
+        load_src = f"{weight_bytes / 1e9:,.2f} GB of weights at {cfg.model_load_bytes_per_second / 1e6:,.0f} MB/s"
+    else:
+        load_s, load_src = 0.0, "no safetensors weights found"
+        warnings.append(f"no safetensors weights in {spec.path}: model load time counted as 0 s")
+    extract_s = total_tokens / cfg.extraction_tokens_per_second
+
+    plan = CapacityPlan(
+        verifier=str(spec.path), aux_layer_ids=aux, hidden_size=hidden, num_hidden_layers=spec.num_hidden_layers,
+        store_dtype=cfg.store_dtype, dtype_bytes=dtype_bytes, bytes_per_token=bytes_per_token,
+        overhead_bytes_per_token=overhead_per_token, num_samples=len(lengths), total_tokens=total_tokens,
+        longest_sample_tokens=longest, max_seq_len=max_seq_len, hidden_state_bytes=hidden_bytes,
+        overhead_bytes=overhead, header_bytes=header, total_bytes=total, worst_case_tokens=worst_tokens,
+        worst_case_bytes=worst, destination=os.fspath(dest), free_bytes=free, free_space_checked_at=checked_at,
+        disk_margin_fraction=cfg.disk_margin_fraction, required_free_bytes=required, fits=fits,
+        weight_bytes=weight_bytes, model_load_seconds=load_s, model_load_source=load_src,
+        extraction_tokens_per_second=cfg.extraction_tokens_per_second, extraction_seconds=extract_s,
+        estimated_seconds=load_s + extract_s, warnings=warnings,
+    )
+    if fits is False:
+        message = (
+            f"hidden-state store does not fit at {plan.destination} (filesystem of {checked_at}): needs "
+            f"{_bytes(total)}, {_bytes(required)} with the {cfg.disk_margin_fraction:.0%} margin "
+            f"(disk_margin_fraction), but only {_bytes(free)} are free"
+        )
+        if cfg.on_insufficient == "fail":
+            raise CapacityError(message)
+        plan.warnings.append(message)
+    for line in plan.summary().splitlines():
+        log.info("[capacity] %s", line)
+    return plan
