@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
-import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
+from prefect import task
 from pydantic import BaseModel
 
 import eagle3
 from eagle3.io import fingerprint_paths, sha256_file, sha256_json
 
-# parameters that never change a stage's outcome
-_NOT_IN_KEY = {"log_every_seconds", "log_every_samples", "log_every_steps"}
+# parameters that never change a stage's outcome: progress cadence, and where the GPUs' concurrency limit lives
+_NOT_IN_KEY = {"log_every_seconds", "log_every_samples", "log_every_steps", "host"}
 
 
 def _canonical(value: Any) -> Any:
@@ -52,8 +52,30 @@ def cache_key(context, parameters: dict[str, Any]) -> str:
     return stage_key(context.task.name, parameters)
 
 
-def stage_dir(run_dir: str, stage: str, inputs: dict[str, Any]) -> Path:
+def stage_dir(run_dir: str, stage: str, inputs: dict[str, Any], folder_ignores: tuple[str, ...] = ()) -> Path:
+    """``<run_dir>/<stage>-<key[:12]>``; ``folder_ignores`` lists cfg fields that must not split the folder
+    (extraction shards of one dataset fill one store)."""
+    if folder_ignores and "cfg" in inputs:
+        cfg = _canonical(inputs["cfg"])
+        inputs = {**inputs, "cfg": {k: v for k, v in cfg.items() if k not in folder_ignores}}
     return Path(run_dir) / f"{stage}-{stage_key(stage, inputs)[:12]}"
+
+
+def result_storage_block(location: str):
+    """Result storage for cached manifests: a local folder, or an fsspec URL (s3://..., gs://..., memory://...)."""
+    from prefect.filesystems import LocalFileSystem, RemoteFileSystem
+
+    if "://" in location and not location.startswith("file://"):
+        return RemoteFileSystem(basepath=location)
+    return LocalFileSystem(basepath=str(Path(location.removeprefix("file://")).resolve()))
+
+
+def run_stage(stage_task, **params) -> dict:
+    """Run a cached stage; a cached manifest whose files were deleted since is recomputed (refresh_cache)."""
+    manifest = stage_task(**params)
+    if not manifest_ok(manifest):
+        manifest = stage_task.with_options(refresh_cache=True)(**params)
+    return manifest
 
 
 def manifest_ok(manifest: dict | None) -> bool:
@@ -87,9 +109,17 @@ def fingerprint_sources(sources: list[str]) -> str:
     """Local files/folders by content; URLs and hub ids by their string (and revision, if pinned in the id)."""
     parts = []
     for src in sources:
-        local = Path(src[7:] if src.startswith("file://") else src)
+        local = Path(src.removeprefix("file://"))
         parts.append(fingerprint_paths([local]) if local.exists() else f"remote:{src}")
     return sha256_json(parts)
+
+
+@task(name="describe-inputs")
+def describe_inputs(verifier_path: str, sources: list[str]) -> dict:
+    """Content fingerprints of the pipeline's inputs; every stage's cache key includes this one (never cached)."""
+    verifier_fp, sources_fp = fingerprint_verifier(verifier_path), fingerprint_sources(sources)
+    return {"verifier_path": verifier_path, "sources": sources, "verifier_fingerprint": verifier_fp,
+            "sources_fingerprint": sources_fp, "fingerprint": sha256_json([verifier_fp, sources_fp])}
 
 
 # ---------------------------------------------------------------- OOM-only retries
@@ -123,7 +153,7 @@ def attempt_batch_scale() -> float:
         from prefect.runtime import task_run
 
         return 0.5 ** max(0, int(task_run.run_count or 1) - 1)
-    except Exception:  # outside a task run (task.fn in tests)
+    except Exception:  # noqa: BLE001 - outside a task run (task.fn in tests) there is no attempt count
         return 1.0
 
 
@@ -145,10 +175,3 @@ def gpu_slots(limit_name: str | None, slots: int, strict: bool) -> Iterator[None
     with concurrency(limit_name, occupy=slots, strict=strict):
         yield
 
-
-def env_flag(name: str, default: str = "") -> str:
-    return os.environ.get(name, default)
-
-
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, indent=2, sort_keys=True, default=str)
