@@ -34,9 +34,13 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA_DIR = REPO_ROOT / "data" / "stdlib-chat"
@@ -181,7 +185,11 @@ def _excluded_module(name: str) -> bool:
 
 @contextlib.contextmanager
 def _quiet_imports():
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    with (
+        warnings.catch_warnings(),
+        contextlib.redirect_stdout(io.StringIO()),
+        contextlib.redirect_stderr(io.StringIO()),
+    ):
         warnings.simplefilter("ignore")
         yield
 
@@ -516,7 +524,7 @@ def load_tokenizer(model_dir: Path = DEFAULT_MODEL_DIR):
 class TrainSettings:
     """Training recipe of the bundled verifier (a fixed seed and data order make it reproducible on one machine)."""
 
-    steps: int = 700
+    steps: int = 600
     batch_size: int = 16  # sequences per step
     seq_len: int = 256  # tokens per packed sequence
     lr: float = 2e-3  # peak AdamW learning rate
@@ -561,7 +569,7 @@ def conversation_token_ids(tokenizer, conversations: Sequence[Conversation]) -> 
     return [ids + [eos_id] for ids in encoded]
 
 
-def pack(docs: Sequence[list[int]], seq_len: int, rng: random.Random | None = None) -> "torch.Tensor":  # noqa: F821
+def pack(docs: Sequence[list[int]], seq_len: int, rng: random.Random | None = None) -> torch.Tensor:
     """Concatenate documents (shuffled by `rng` when given) and cut into [n, seq_len] rows; the tail is dropped."""
     import torch
 
@@ -650,8 +658,8 @@ def eval_perplexity(model, tokenizer, conversations: Sequence[Conversation], seq
             enc = tokenizer.apply_chat_template(
                 conv.messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
             )
-            ids = torch.tensor(enc["input_ids"][: 2048])[None]  # [1, seq]
-            mask = torch.tensor(enc["assistant_masks"][: 2048], dtype=torch.bool)[None]  # [1, seq]
+            ids = torch.tensor(enc["input_ids"][:2048])[None]  # [1, seq]
+            mask = torch.tensor(enc["assistant_masks"][:2048], dtype=torch.bool)[None]  # [1, seq]
             logits = model(input_ids=ids).logits.float()  # [1, seq, vocab]
             nll = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="none")  # [seq-1]
             target_mask = mask[0, 1:]  # token t+1 is predicted from position t
@@ -659,9 +667,9 @@ def eval_perplexity(model, tokenizer, conversations: Sequence[Conversation], seq
             total["all"][1] += nll.numel()
             total["assistant"][0] += nll[target_mask].sum().item()
             total["assistant"][1] += int(target_mask.sum())
-    return {
-        f"{k}_perplexity": round(math.exp(s / max(n, 1)), 3) for k, (s, n) in total.items()
-    } | {f"{k}_tokens": n for k, (s, n) in total.items()}
+    return {f"{k}_perplexity": round(math.exp(s / max(n, 1)), 3) for k, (s, n) in total.items()} | {
+        f"{k}_tokens": n for k, (s, n) in total.items()
+    }
 
 
 def quality_prompts(eval_messages: Sequence[list[dict[str, str]]], n: int = 5) -> list[list[dict[str, str]]]:
@@ -777,7 +785,7 @@ def write_model_card(
     curve = ", ".join(f"{s}: {v:.2f}" for s, v in history["loss_curve"][:: max(1, len(history["loss_curve"]) // 10)])
     card = f"""# tiny-chat-verifier
 
-A {history['parameters'] / 1e6:.1f}M-parameter Llama chat model trained from scratch on conversations built from
+A {history["parameters"] / 1e6:.1f}M-parameter Llama chat model trained from scratch on conversations built from
 Python standard-library docstrings. It is the bundled *verifier* (target model) this project uses in tests and the
 demo, where no real LLM can be downloaded: small enough for 2 CPU cores, yet it produces varied, docstring-like
 text (a random-init model repeats one token forever, which makes draft-acceptance measurements meaningless).
@@ -802,27 +810,27 @@ as `<|role|>\\n{{content}}<|end|>\\n` after a leading `<|bos|>`; `add_generation
 or class of a module in one of several phrasings; the assistant answers with its docstring (`inspect.cleandoc`,
 at most {MAX_DOC_CHARS} characters, cut at a paragraph boundary; docstrings under {MIN_DOC_CHARS} characters dropped).
 About {int((TURN_WEIGHTS[1][1] + TURN_WEIGHTS[2][1]) * 100)}% of conversations ask follow-up questions about other
-members of the same module; {int(SYSTEM_PROMPT_SHARE * 100)}% carry a system prompt. Python {manifest['python']}.
+members of the same module; {int(SYSTEM_PROMPT_SHARE * 100)}% carry a system prompt. Python {manifest["python"]}.
 
 | split | conversations | assistant turns | modules | characters | tokens (template) |
 |---|---|---|---|---|---|
-| train | {train['conversations']} | {train['assistant_turns']} | {train['modules']} | {train['chars']} | {history['train_tokens']} |
-| eval | {held['conversations']} | {held['assistant_turns']} | {held['modules']} | {held['chars']} | {evaluation['all_tokens']} |
+| train | {train["conversations"]} | {train["assistant_turns"]} | {train["modules"]} | {train["chars"]} | {history["train_tokens"]} |
+| eval | {held["conversations"]} | {held["assistant_turns"]} | {held["modules"]} | {held["chars"]} | {evaluation["all_tokens"]} |
 
 Held out for evaluation (never seen in training, nor by the tokenizer): every top-level module with
-`sha256(name) % 100 < {HOLDOUT_PERCENT}`, with all its submodules: {len(manifest['eval_top_level_modules'])}
-top-level modules ({', '.join(manifest['eval_top_level_modules'])}).
+`sha256(name) % 100 < {HOLDOUT_PERCENT}`, with all its submodules: {len(manifest["eval_top_level_modules"])}
+top-level modules ({", ".join(manifest["eval_top_level_modules"])}).
 
 ## Training
 From scratch on CPU, seed {settings.seed}, {settings.threads} threads: AdamW (betas {settings.betas}, weight decay
 {settings.weight_decay} on matrices), peak lr {settings.lr}, {settings.warmup_steps} warmup steps then cosine to
 {settings.lr * settings.min_lr_ratio:g}, gradient clip {settings.grad_clip}, {settings.steps} steps of
 {settings.batch_size} x {settings.seq_len}-token sequences packed from the training conversations (each followed by
-`<|eos|>`; reshuffled every epoch; loss on all tokens). Wall time {history['wall_seconds'] / 60:.1f} minutes.
+`<|eos|>`; reshuffled every epoch; loss on all tokens). Wall time {history["wall_seconds"] / 60:.1f} minutes.
 
-- Final training loss (mean of the last {settings.log_every} steps): **{history['final_train_loss']:.3f}**
-- Held-out perplexity (eval split, shipped bf16 weights): **{evaluation['all_perplexity']:.2f}** over all tokens,
-  **{evaluation['assistant_perplexity']:.2f}** over assistant tokens
+- Final training loss (mean of the last {settings.log_every} steps): **{history["final_train_loss"]:.3f}**
+- Held-out perplexity (eval split, shipped bf16 weights): **{evaluation["all_perplexity"]:.2f}** over all tokens,
+  **{evaluation["assistant_perplexity"]:.2f}** over assistant tokens
 - Loss curve (step: loss): {curve}
 
 Full settings, the loss curve, versions and the git revision are in `training.json`.

@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eagle3.bundled import DEFAULT_DATA_DIR, DEFAULT_MODEL_DIR, TrainSettings, build_tiny_verifier  # noqa: E402
+from eagle3.bundled import DEFAULT_DATA_DIR, DEFAULT_MODEL_DIR, TrainSettings, build_tiny_verifier
 
 
 def main() -> None:
@@ -28,7 +28,9 @@ def main() -> None:
     args = parser.parse_args()
     settings = TrainSettings(steps=args.steps, seed=args.seed, threads=args.threads)
     command = "python scripts/build_tiny_verifier.py " + shlex.join(sys.argv[1:])
-    build_tiny_verifier(args.data_dir, args.model_dir, settings, train_model=not args.data_only, command=command.strip())
+    build_tiny_verifier(
+        args.data_dir, args.model_dir, settings, train_model=not args.data_only, command=command.strip()
+    )
 
 
 if __name__ == "__main__":
