@@ -29,8 +29,10 @@ import fcntl
 import hashlib
 import json
 import os
+import queue
 import struct
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -216,33 +218,35 @@ def write_sample_bytes(store_dir: Path, index: int, data: bytes, tokens: int, gr
             "bytes": len(data)}
 
 
-class ManifestAppender:
-    """Appends manifest lines durably: one ``write`` per line under ``flock`` (several shard writers may share a
-    store folder), then fsync, so a line exists only for a sample whose file is already in place."""
-
-    def __init__(self, store_dir: str | os.PathLike):
-        self.path = Path(store_dir) / MANIFEST
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    def append(self, entry: dict[str, Any]) -> None:
-        line = (json.dumps(entry, sort_keys=True) + "\n").encode()
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+@contextlib.contextmanager
+def _locked_manifest(store_dir: Path) -> Iterator[int]:
+    """An fd on the CURRENT manifest inode with an exclusive flock (reopens if a rewrite replaced the file)."""
+    path = store_dir / MANIFEST
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(self.fd, line)
-            os.fsync(self.fd)
-        finally:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        yield fd
+    finally:
+        os.close(fd)  # releases the flock
 
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+def append_manifest(store_dir: str | os.PathLike, entry: dict[str, Any]) -> None:
+    """Append one manifest line durably: a single ``write`` under ``flock`` (several shard writers may share a store
+    folder), then fsync. Call only after the sample's file is renamed into place."""
+    line = (json.dumps(entry, sort_keys=True) + "\n").encode()
+    with _locked_manifest(Path(store_dir)) as fd:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            line = b"\n" + line  # a torn line from a killed writer: keep it on its own line
+        os.write(fd, line)
+        os.fsync(fd)
 
 
 def write_sample(
@@ -268,39 +272,138 @@ def write_sample(
         raise StoreError(f"sample index {index} outside the store's 0..{meta['num_samples'] - 1}")
     data = serialize_sample(aux, final, input_ids, loss_mask, STORE_DTYPES[meta["dtype"]], index)
     entry = write_sample_bytes(store_dir, index, data, int(input_ids.shape[0]), meta["group_size"])
-    with ManifestAppender(store_dir) as m:
-        m.append(entry)
+    append_manifest(store_dir, entry)
     return entry
 
 
-def read_manifest(store_dir: str | os.PathLike) -> dict[int, dict[str, Any]]:
-    """index -> latest manifest entry. A torn LAST line (crash inside the append) is ignored; any other bad line
-    raises ``StoreError`` naming the line."""
-    path = Path(store_dir) / MANIFEST
-    if not path.is_file():
-        return {}
-    raw = path.read_bytes()
+def _parse_manifest(raw: bytes, path: Path, strict: bool) -> tuple[dict[int, dict[str, Any]], int, int]:
+    """(index -> latest entry, number of lines, number of damaged lines)."""
     lines = raw.split(b"\n")
     out: dict[int, dict[str, Any]] = {}
+    n_lines = bad = 0
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
+        n_lines += 1
         try:
             entry = json.loads(line)
             idx = int(entry["index"])
             entry["file"], entry["tokens"], entry["sha256"]
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            if n == len(lines):  # no trailing newline: the last write was cut short
-                continue
-            raise StoreError(f"{path} line {n} is not a manifest entry: {line[:200]!r}") from None
+            bad += 1
+            if strict and n != len(lines):  # a torn LAST line (no newline yet) is a crash leftover, not damage
+                raise StoreError(f"{path} line {n} is not a manifest entry: {line[:200]!r} "
+                                 f"(rerun extraction into this store to repair it)") from None
+            continue
         out[idx] = entry
-    return out
+    return out, n_lines, bad
 
 
-def rewrite_manifest(store_dir: str | os.PathLike, entries: dict[int, dict[str, Any]]) -> None:
-    """Replace the manifest with one line per index (sorted), atomically."""
-    text = "".join(json.dumps(entries[i], sort_keys=True) + "\n" for i in sorted(entries))
-    atomic_write_text(Path(store_dir) / MANIFEST, text)
+def read_manifest(store_dir: str | os.PathLike, strict: bool = True) -> dict[int, dict[str, Any]]:
+    """index -> latest manifest entry. A torn LAST line (crash inside an append) is ignored; with ``strict`` any
+    other damaged line raises ``StoreError`` naming the line, else it is skipped."""
+    path = Path(store_dir) / MANIFEST
+    if not path.is_file():
+        return {}
+    return _parse_manifest(path.read_bytes(), path, strict)[0]
+
+
+def repair_manifest(store_dir: str | os.PathLike, drop: set[int] = frozenset()) -> bool:
+    """Rewrite the manifest with one line per index (sorted), without damaged lines and without ``drop``.
+
+    Runs under the manifest's flock (re-read there, so lines appended meanwhile by other shard writers survive)
+    and replaces the file atomically. Returns True when something changed.
+    """
+    store_dir = Path(store_dir)
+    path = store_dir / MANIFEST
+    if not path.is_file():
+        return False
+    with _locked_manifest(store_dir):
+        entries, n_lines, bad = _parse_manifest(path.read_bytes(), path, strict=False)
+        kept = {i: e for i, e in entries.items() if i not in drop}
+        if not bad and n_lines == len(kept):
+            return False
+        text = "".join(json.dumps(kept[i], sort_keys=True) + "\n" for i in sorted(kept))
+        atomic_write_text(path, text)
+        return True
+
+
+def clean_temp_files(store_dir: str | os.PathLike, start: int = 0, end: int | None = None) -> int:
+    """Remove temp sample files (crash leftovers) of indices in [start, end); other shards' temps are left alone."""
+    removed = 0
+    for tmp in Path(store_dir).glob(f"rows_*/.sample_*{TMP_SUFFIX}"):
+        try:
+            idx = int(tmp.name.split("_", 1)[1].split(".", 1)[0])
+        except ValueError:
+            continue
+        if idx >= start and (end is None or idx < end):
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+                removed += 1
+    return removed
+
+
+class AsyncStoreWriter:
+    """Writes samples on a background thread so disk I/O overlaps the next forward pass.
+
+    ``submit(batch)`` queues one batch of samples; at most ``max_queued_batches`` wait (host memory stays bounded:
+    the forward loop blocks when the writer falls behind). Per sample the thread casts to the store dtype,
+    serializes (safetensors), hashes, writes temp + fsync + rename, appends the manifest line, then calls
+    ``on_written(entry)``. An error in the thread is re-raised by the next ``submit`` or by ``close``.
+    """
+
+    def __init__(self, store_dir: str | os.PathLike, meta: dict[str, Any], max_queued_batches: int = 2,
+                 on_written: Callable[[dict[str, Any]], None] | None = None):
+        self.store_dir = Path(store_dir)
+        self.dtype = STORE_DTYPES[meta["dtype"]]
+        self.group_size = int(meta["group_size"])
+        self.on_written = on_written
+        self.queue: queue.Queue = queue.Queue(maxsize=max_queued_batches)
+        self.error: BaseException | None = None
+        self.written = 0
+        self.bytes = 0
+        self._thread = threading.Thread(target=self._run, name="eagle3-store-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, samples: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """samples: (index, aux [T, n_aux*H], final [T, H], input_ids [T], loss_mask [T]) on CPU."""
+        self._raise()
+        while True:
+            try:
+                self.queue.put(samples, timeout=0.5)
+                return
+            except queue.Full:
+                self._raise()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise StoreError(f"writing to {self.store_dir} failed: {self.error}") from self.error
+
+    def _run(self) -> None:
+        while True:
+            batch = self.queue.get()
+            if batch is None:
+                return
+            if self.error is not None:
+                continue  # drain after a failure so submit() never blocks forever
+            try:
+                for index, aux, final, input_ids, loss_mask in batch:
+                    data = serialize_sample(aux, final, input_ids, loss_mask, self.dtype, index)
+                    entry = write_sample_bytes(self.store_dir, index, data, int(input_ids.shape[0]), self.group_size)
+                    append_manifest(self.store_dir, entry)
+                    self.written += 1
+                    self.bytes += entry["bytes"]
+                    if self.on_written is not None:
+                        self.on_written(entry)
+            except BaseException as e:  # noqa: BLE001 - handed to the producer thread
+                self.error = e
+
+    def close(self) -> None:
+        """Wait until everything queued is on disk; re-raise a writer error."""
+        if self._thread.is_alive():
+            self.queue.put(None)
+            self._thread.join()
+        self._raise()
 
 
 def read_header(path: str | os.PathLike) -> tuple[dict[str, Any], int]:
@@ -352,12 +455,13 @@ def mmap_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 class HiddenStateStore:
     """Read access to a finished (or partly finished) store; the only way trainers read hidden states.
 
-    ``len(store)`` and ``indices()`` count samples with a manifest line. ``load(i)`` returns
+    ``len(store)`` and ``indices()`` count samples with a manifest line (``strict=False`` skips damaged manifest
+    lines instead of raising; extraction's resume uses it before repairing the manifest). ``load(i)`` returns
     ``{"aux_hidden_states": [T, n_aux*H], "final_hidden_state": [T, H], "input_ids": [T] int64,
     "loss_mask": [T] uint8}`` memory-mapped from the sample's file.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, strict: bool = True):
         self.path = Path(path)
         meta_path = self.path / STORE_JSON
         if not meta_path.is_file():
@@ -365,7 +469,7 @@ class HiddenStateStore:
         self.meta: dict[str, Any] = _read_json(meta_path)
         if self.meta.get("format") != FORMAT:
             raise StoreError(f"{meta_path}: format {self.meta.get('format')!r}, expected {FORMAT!r}")
-        self._entries = read_manifest(self.path)
+        self._entries = read_manifest(self.path, strict=strict)
         self._sorted = sorted(self._entries)
 
     @property

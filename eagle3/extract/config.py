@@ -1,0 +1,103 @@
+"""Settings of the extraction stage (one pydantic model; every field says its unit)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class ExtractConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    verifier: str = Field(description="Path of the verifier's Hugging Face model folder (config.json + safetensors).")
+    aux_layer_ids: list[int] | None = Field(
+        default=None,
+        description="Aux layers to store, vLLM convention (id k = residual stream ENTERING decoder layer k = HF "
+        "output_hidden_states[k]). None = vLLM's default (2, L//2, L-3); Kimi-K2.5: [2, 30, 58].",
+    )
+    backend: Literal["transformers", "vllm"] = Field(
+        default="transformers",
+        description="'transformers': in-process PyTorch forward (one device or device_map); 'vllm': a subprocess "
+        "in the vLLM environment with tensor parallelism (verifiers too big for one GPU, e.g. Kimi-K2.5).",
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        default="auto", description="Compute dtype of the verifier; 'auto' = the checkpoint's own dtype."
+    )
+    device: str = Field(
+        default="auto", description="Torch device for the transformers backend ('cpu', 'cuda', 'cuda:1'); 'auto' = "
+        "cuda:0 when available, else cpu. Ignored when device_map is set.",
+    )
+    device_map: str | dict[str, str | int] | None = Field(
+        default=None, description="transformers device_map to spread the verifier over several GPUs (e.g. 'auto').",
+    )
+    trust_remote_code: bool = Field(
+        default=False, description="Run Python code shipped with the checkpoint. Off unless explicitly enabled.",
+    )
+    store_dtype: Literal["bfloat16", "float16", "float32", "model"] = Field(
+        default="bfloat16", description="Dtype of stored states; 'model' = the compute dtype.",
+    )
+    max_tokens_per_batch: int = Field(
+        default=16384, ge=1,
+        description="Token budget of one forward, in PADDED tokens (samples x longest sample in the batch).",
+    )
+    max_samples_per_batch: int = Field(default=64, ge=1, description="Cap on samples per forward (samples).")
+    min_tokens_per_batch: int = Field(
+        default=256, ge=1,
+        description="OOM floor, in padded tokens: halving the budget below this stops; the sample is then "
+        "handled per on_unfittable_sample.",
+    )
+    on_unfittable_sample: Literal["skip", "fail"] = Field(
+        default="skip",
+        description="A sample that runs out of memory alone at the floor: 'skip' names it in the log and the "
+        "result, 'fail' raises OutOfMemoryAfterRetries.",
+    )
+    lock_dir: str | None = Field(
+        default=None,
+        description="Host-local folder of the GPU/host lock files; None = $EAGLE3_LOCK_DIR or /tmp/eagle3-locks.",
+    )
+    lock_wait_seconds: float = Field(
+        default=0.0,
+        description="Seconds to wait for a busy GPU/host lock: 0 = fail at once naming the holder, < 0 = forever.",
+    )
+    min_free_gpu_memory_fraction: float = Field(
+        default=0.8, ge=0.0, le=1.0,
+        description="CUDA preflight: fail when a GPU has less than this fraction of its memory free (0 = no check).",
+    )
+    tensor_parallel_size: int = Field(default=1, ge=1, description="vLLM backend: GPUs per model (count).")
+    vllm_python: str | None = Field(
+        default=None, description="vLLM backend: interpreter of the vLLM environment; None = $EAGLE3_VLLM_PYTHON "
+        "or <repo>/.venv-vllm/bin/python.",
+    )
+    vllm_gpu_memory_utilization: float = Field(
+        default=0.9, gt=0.0, le=1.0, description="vLLM backend: fraction of each GPU's memory vLLM may use.",
+    )
+    vllm_timeout_seconds: float = Field(
+        default=0.0, ge=0.0,
+        description="vLLM backend: kill the subprocess (its whole process group) after this many seconds; 0 = none.",
+    )
+    log_every_samples: int = Field(default=500, ge=0, description="Progress line every N samples (0 = off).")
+    log_every_seconds: float = Field(default=30.0, ge=0.0, description="Progress line every S seconds (0 = off).")
+    shard_start: int = Field(default=0, ge=0, description="First dataset index (sample) this job extracts.")
+    shard_end: int | None = Field(
+        default=None, ge=0, description="One past the last dataset index (sample) this job extracts; None = end.",
+    )
+    group_size: int = Field(default=2000, ge=1, description="Samples per rows_<a>-<b>/ folder of the store.")
+    resume_check: Literal["sha256", "size"] = Field(
+        default="sha256",
+        description="How a rerun checks finished samples before skipping them: 'sha256' re-hashes each file "
+        "(safe), 'size' compares byte counts and headers (fast for multi-TB stores).",
+    )
+    write_queue_batches: int = Field(
+        default=2, ge=1,
+        description="Batches of states waiting for the writer thread (bounds host memory: batches).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ExtractConfig:
+        if self.shard_end is not None and self.shard_end < self.shard_start:
+            raise ValueError(f"shard_end ({self.shard_end}) < shard_start ({self.shard_start}) (sample indices)")
+        if self.min_tokens_per_batch > self.max_tokens_per_batch:
+            raise ValueError(f"min_tokens_per_batch ({self.min_tokens_per_batch} tokens) > max_tokens_per_batch "
+                             f"({self.max_tokens_per_batch} tokens)")
+        return self

@@ -1,0 +1,353 @@
+"""Extraction entry point: dataset -> hidden-state store, resumable, OOM-tolerant, one job per GPU.
+
+Pipeline position: data -> capacity -> **extract** -> vocab / train. Reads the prepared dataset (Arrow folder with
+``input_ids`` int32 lists and ``loss_mask`` int8 lists) and writes the store described in docs/DESIGN.md.
+
+Order of work in ``extract_hidden_states``:
+1. check the inputs (verifier folder, aux ids in vLLM's convention, dataset columns, token ids < vocab), so bad
+   input fails in seconds with one clear error and before any lock or model load;
+2. create or re-open the store; resume: drop temp files of this shard, keep finished samples whose file verifies
+   against the manifest, repair the manifest (duplicates, torn lines, bad entries);
+3. take the host GPU lock (``eagle3.gpu.device_lock``) BEFORE the model loads, run the CUDA preflight;
+4. load the verifier ONCE and stream batches: forward -> writer thread (overlaps disk with the next forward).
+   An out-of-memory error halves the token budget and retries the same samples with the model still loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3.extract import hf_backend
+from eagle3.extract.batching import Batch, TokenBudgetBatcher, pad_right
+from eagle3.extract.config import ExtractConfig
+from eagle3.extract.store import (
+    MANIFEST,
+    AsyncStoreWriter,
+    HiddenStateStore,
+    clean_temp_files,
+    ensure_store,
+    repair_manifest,
+    store_meta,
+)
+from eagle3.gpu import (
+    OutOfMemoryAfterRetries,
+    cuda_preflight,
+    device_lock,
+    free_memory,
+    is_oom_error,
+    lock_names,
+)
+from eagle3.io import sha256_file, sha256_json
+from eagle3.progress import Progress
+from eagle3.verifier import VerifierError, VerifierSpec
+
+log = logging.getLogger("eagle3.extract")
+
+# oom_injector(attempt, dataset indices of the batch, padded tokens): called before every forward attempt
+# (attempts count from 0 and include retries); raise an OOM error from it to simulate one (tests only).
+OomInjector = Callable[[int, list[int], int], None]
+
+
+class ExtractError(ValueError):
+    """Bad extraction input (dataset folder, columns, samples, settings); the message names the field / sample."""
+
+
+@dataclass
+class ExtractResult:
+    store: str
+    backend: str
+    shard: list[int]  # [start, end) dataset indices
+    samples_in_shard: int
+    samples_written: int  # this run
+    samples_resumed: int  # already in the store and verified, skipped
+    samples_unfittable: list[int]  # skipped: out of memory alone at the token-budget floor
+    tokens_written: int  # this run
+    bytes_written: int  # this run, sample files only
+    store_samples: int  # whole store (all shards) after this run
+    store_tokens: int
+    bytes_on_disk: int  # whole store: sample files + store.json + manifest.jsonl
+    manifest_sha256: str
+    fingerprint: str  # content hash: store metadata + every sample's sha256
+    tokens_per_second: float  # tokens_written / extraction wall time (model load excluded)
+    extract_seconds: float
+    model_load_seconds: float
+    model_loads: int
+    token_budget_history: list[int] = field(default_factory=list)  # padded tokens per batch, after each OOM halving
+    temp_files_removed: int = 0
+    manifest_entries_dropped: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ------------------------------------------------------------------------------------------------- input checks
+
+
+def check_aux_layer_ids(spec: VerifierSpec, ids: list[int] | None) -> list[int]:
+    """Aux ids in vLLM's convention, defaulted and checked (range, strictly increasing: vLLM concatenates aux states
+    in ascending layer order, so the stored order must be that order too)."""
+    ids = list(spec.default_aux_layer_ids() if ids is None else ids)
+    spec.check_aux_layer_ids(ids)
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        raise VerifierError(f"aux_layer_ids {ids} must be strictly increasing (vLLM concatenates aux states in "
+                            f"ascending layer order; vLLM convention: id k = residual stream entering layer k)")
+    return ids
+
+
+def open_dataset(dataset_dir: str | Path, vocab_size: int | None = None):
+    """(dataset with input_ids + loss_mask, tokens per sample as a list). Raises ExtractError naming the problem."""
+    import datasets
+    import pyarrow.compute as pc
+
+    path = Path(dataset_dir)
+    if not path.is_dir():
+        raise ExtractError(f"dataset folder {path} does not exist (expected datasets.save_to_disk output)")
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as e:
+        raise ExtractError(f"dataset folder {path} is not a saved datasets.Dataset: {e}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        raise ExtractError(f"dataset folder {path} holds a DatasetDict ({list(ds)}); pass one split's folder")
+    missing = [c for c in ("input_ids", "loss_mask") if c not in ds.column_names]
+    if missing:
+        raise ExtractError(f"dataset {path} lacks column(s) {missing} (has {ds.column_names}); run the data stage")
+    if len(ds) == 0:
+        raise ExtractError(f"dataset {path} has no samples")
+    ds = ds.select_columns(["input_ids", "loss_mask"])
+    if ds._indices is not None:
+        ds = ds.flatten_indices()
+    table = ds.data.table if hasattr(ds.data, "table") else ds.data
+    ids_col, mask_col = table.column("input_ids"), table.column("loss_mask")
+    lengths = pc.list_value_length(ids_col).to_pylist()
+    mask_lengths = pc.list_value_length(mask_col).to_pylist()
+    for i, (n, m) in enumerate(zip(lengths, mask_lengths)):
+        if not n:
+            raise ExtractError(f"dataset {path}: sample {i} has no input_ids")
+        if n != m:
+            raise ExtractError(f"dataset {path}: sample {i} has {n} input_ids but {m} loss_mask entries")
+    if vocab_size is not None:
+        flat = pc.list_flatten(ids_col)
+        hi, lo = pc.max(flat).as_py(), pc.min(flat).as_py()
+        if hi >= vocab_size or lo < 0:
+            row = next(i for i, r in enumerate(ids_col.to_pylist()) if max(r) >= vocab_size or min(r) < 0)
+            raise ExtractError(f"dataset {path}: sample {row} has token ids outside 0..{vocab_size - 1} "
+                               f"(verifier vocab_size {vocab_size}); was it tokenized with another tokenizer?")
+    return ds, lengths
+
+
+def _shard(cfg: ExtractConfig, n: int) -> tuple[int, int]:
+    end = n if cfg.shard_end is None else min(cfg.shard_end, n)
+    if cfg.shard_start >= n:
+        raise ExtractError(f"shard_start {cfg.shard_start} is past the dataset's last sample index {n - 1}")
+    return cfg.shard_start, end
+
+
+# ------------------------------------------------------------------------------------------------------ resume
+
+
+def resume_state(store_dir: Path, start: int, end: int, check: str) -> tuple[set[int], int, int]:
+    """(finished indices in [start, end) that verify, temp files removed, manifest entries dropped)."""
+    removed = clean_temp_files(store_dir, start, end)
+    store = HiddenStateStore(store_dir, strict=False)
+    mine = [i for i in store.indices() if start <= i < end]
+    with ThreadPoolExecutor(max_workers=4) as pool:  # hashing releases the GIL
+        reasons = list(pool.map(lambda i: store.check_file(i, hash_check=check == "sha256"), mine))
+    bad = {i for i, r in zip(mine, reasons) if r is not None}
+    for i, r in zip(mine, reasons):
+        if r is not None:
+            log.warning("resume: sample %d will be extracted again: %s", i, r)
+    repair_manifest(store_dir, drop=bad)
+    if removed:
+        log.info("resume: removed %d temp files left by an interrupted run", removed)
+    if mine:
+        log.info("resume: %d of %d samples of shard [%d, %d) already in the store and verified (%s)",
+                 len(mine) - len(bad), end - start, start, end, check)
+    return set(mine) - bad, removed, len(bad)
+
+
+# ------------------------------------------------------------------------------------------------ the main loop
+
+
+class _SafeProgress:
+    """Progress shared by the writer thread (samples written) and the main thread (samples skipped)."""
+
+    def __init__(self, progress: Progress):
+        self.progress, self.lock = progress, threading.Lock()
+
+    def update(self, n: int, tokens: int, extra: str = "") -> None:
+        with self.lock:
+            self.progress.update(n, tokens, extra)
+
+
+def _run_transformers(
+    cfg: ExtractConfig,
+    spec: VerifierSpec,
+    aux_ids: list[int],
+    ds,
+    todo: dict[int, int],
+    store_dir: Path,
+    meta: dict[str, Any],
+    progress: _SafeProgress,
+    oom_injector: OomInjector | None,
+    stats: dict[str, Any],
+) -> None:
+    device = hf_backend.resolve_device(cfg.device)
+    dtype = hf_backend.compute_dtype(spec, cfg.dtype)
+    t0 = time.monotonic()
+    model = hf_backend.load_hf_model(spec, dtype, device, cfg.device_map, cfg.trust_remote_code)
+    stats["model_loads"] += 1
+    stats["model_load_seconds"] = time.monotonic() - t0
+    backend = hf_backend.TransformersBackend(model, aux_ids)
+    batcher = TokenBudgetBatcher(todo, cfg.max_tokens_per_batch, cfg.max_samples_per_batch)
+    writer = AsyncStoreWriter(store_dir, meta, cfg.write_queue_batches,
+                              on_written=lambda e: progress.update(1, e["tokens"]))
+    stats["extract_start"] = time.monotonic()
+    attempt = 0
+    try:
+        while (batch := batcher.next()) is not None:
+            rows = ds[batch.indices]  # {"input_ids": [[...]], "loss_mask": [[...]]}
+            input_ids, attention_mask = pad_right(rows["input_ids"])  # [B, T_max] each
+            oom_message = None
+            try:
+                if oom_injector is not None:
+                    oom_injector(attempt, list(batch.indices), batch.padded_tokens)
+                attempt += 1
+                aux, final = backend.capture(input_ids, attention_mask)  # [B, T_max, n_aux*H], [B, T_max, H]
+            except Exception as e:  # noqa: BLE001 - only OOM is handled; anything else re-raises
+                if not is_oom_error(e):
+                    raise
+                oom_message = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            if oom_message is not None:  # outside the except block: the traceback (and its tensors) is gone
+                free_memory(device)
+                _on_oom(cfg, batcher, batch, oom_message, stats, progress)
+                continue
+            aux, final = aux.to("cpu"), final.to("cpu")
+            samples = []
+            for b, (idx, n) in enumerate(zip(batch.indices, batch.lengths)):  # drop the right padding
+                samples.append((idx, aux[b, :n], final[b, :n],  # [T, n_aux*H], [T, H]
+                                torch.as_tensor(rows["input_ids"][b], dtype=torch.long),
+                                torch.as_tensor(rows["loss_mask"][b], dtype=torch.uint8)))
+            del aux, final
+            writer.submit(samples)
+    except BaseException:
+        try:
+            writer.close()  # finished samples still reach the disk and the manifest (resume keeps them)
+        except Exception as e:  # noqa: BLE001 - the original error matters more
+            log.error("store writer also failed: %s", e)
+        raise
+    writer.close()
+    stats["extract_end"] = time.monotonic()
+    stats["samples_written"] += writer.written
+    stats["bytes_written"] += writer.bytes
+
+
+def _on_oom(cfg: ExtractConfig, batcher: TokenBudgetBatcher, batch: Batch, message: str, stats: dict,
+            progress: _SafeProgress) -> None:
+    old, floor = batcher.budget, cfg.min_tokens_per_batch
+    what = f"{len(batch.indices)} samples / {batch.padded_tokens:,} padded tokens"
+    if old > floor:
+        batcher.budget = max(old // 2, floor)
+        stats["token_budget_history"].append(batcher.budget)
+        log.warning("out of memory on a batch of %s (%s): token budget halved %s -> %s tokens per batch, retrying "
+                    "the same samples (model stays loaded)", what, message, f"{old:,}", f"{batcher.budget:,}")
+        batcher.put_back(batch)
+    elif len(batch.indices) > 1:
+        log.warning("out of memory on a batch of %s at the token-budget floor (%s tokens, min_tokens_per_batch): "
+                    "retrying these samples one at a time", what, f"{floor:,}")
+        batcher.put_back(batch, singles=True)
+    else:
+        idx, n = batch.indices[0], batch.lengths[0]
+        text = (f"sample {idx} ({n:,} tokens) does not fit in memory even alone, after halving the token budget "
+                f"down to the floor of {floor:,} tokens per batch (min_tokens_per_batch); last error: {message}")
+        if cfg.on_unfittable_sample == "fail":
+            raise OutOfMemoryAfterRetries(text + " (on_unfittable_sample='fail')")
+        log.warning("skipping %s (on_unfittable_sample='skip')", text)
+        stats["samples_unfittable"].append(idx)
+        progress.update(1, 0, f"skipped sample {idx}")
+
+
+# -------------------------------------------------------------------------------------------------- entry point
+
+
+def extract_hidden_states(
+    cfg: ExtractConfig | dict,
+    dataset_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    oom_injector: OomInjector | None = None,
+    on_progress: Callable[[int, int, str], None] | None = None,
+) -> ExtractResult:
+    """Extract aux states (vLLM layer-id convention) + final pre-norm states of every sample in the shard into the
+    store at ``out_dir``; resumes an interrupted run. ``oom_injector`` is a test hook (see ``OomInjector``)."""
+    cfg = ExtractConfig.model_validate(cfg)
+    spec = VerifierSpec.from_path(cfg.verifier)
+    aux_ids = check_aux_layer_ids(spec, cfg.aux_layer_ids)
+    ds, lengths = open_dataset(dataset_dir, spec.vocab_size)
+    start, end = _shard(cfg, len(ds))
+    store_dir = Path(out_dir)
+    dtype_name = str(hf_backend.compute_dtype(spec, cfg.dtype)).replace("torch.", "")
+    meta = ensure_store(store_dir, store_meta(
+        verifier=str(Path(cfg.verifier).resolve()), aux_layer_ids=aux_ids, hidden_size=spec.hidden_size,
+        dtype=dtype_name if cfg.store_dtype == "model" else cfg.store_dtype, num_samples=len(ds),
+        backend=cfg.backend, group_size=cfg.group_size,
+    ))
+    done, temps_removed, dropped = resume_state(store_dir, start, end, cfg.resume_check)
+    todo = {i: lengths[i] for i in range(start, end) if i not in done}
+    stats: dict[str, Any] = {"model_loads": 0, "model_load_seconds": 0.0, "samples_written": 0, "bytes_written": 0,
+                             "samples_unfittable": [], "token_budget_history": [cfg.max_tokens_per_batch]}
+    todo_tokens = sum(todo.values())
+    log.info("extract: %d samples (%s tokens) to do in shard [%d, %d) of %d; aux_layer_ids %s (vLLM convention: "
+             "residual stream entering layer k) + final pre-norm state; backend %s; budget %s padded tokens / "
+             "%d samples per batch", len(todo), f"{todo_tokens:,}", start, end, len(ds), aux_ids, cfg.backend,
+             f"{cfg.max_tokens_per_batch:,}", cfg.max_samples_per_batch)
+    progress = _SafeProgress(Progress("extract", total=len(todo), unit="samples", every_n=cfg.log_every_samples,
+                                      every_s=cfg.log_every_seconds, logger=log, on_update=on_progress))
+    t_start = time.monotonic()
+    if todo:
+        names = ["host-cpu"] if cfg.backend == "vllm" and not torch.cuda.is_available() else (
+            lock_names(None, "auto") if cfg.backend == "vllm" else
+            lock_names(hf_backend.resolve_device(cfg.device), cfg.device_map))
+        with device_lock(names, cfg.lock_dir, cfg.lock_wait_seconds, logger=log) as lock_fds:
+            if torch.cuda.is_available() and cfg.min_free_gpu_memory_fraction > 0:
+                cuda_preflight(None, cfg.min_free_gpu_memory_fraction, logger=log)
+            if cfg.backend == "vllm":
+                from eagle3.extract import vllm_backend
+
+                vllm_backend.run_vllm(cfg, spec, aux_ids, Path(dataset_dir), sorted(todo), store_dir, stats,
+                                      progress.update, lock_fds)
+            else:
+                _run_transformers(cfg, spec, aux_ids, ds, todo, store_dir, meta, progress, oom_injector, stats)
+    extract_s = stats.get("extract_end", time.monotonic()) - stats.get("extract_start", t_start)
+    store = HiddenStateStore(store_dir)
+    manifest = store_dir / MANIFEST
+    tokens_written = sum(todo[i] for i in todo if i in store and i not in stats["samples_unfittable"])
+    files_bytes = sum(int(store.entry(i).get("bytes", 0)) or store.file(i).stat().st_size for i in store)
+    fingerprint = sha256_json({"meta": {k: v for k, v in meta.items() if k != "verifier"},
+                               "samples": [[i, store.entry(i)["sha256"]] for i in store]})
+    result = ExtractResult(
+        store=str(store_dir), backend=cfg.backend, shard=[start, end], samples_in_shard=end - start,
+        samples_written=stats["samples_written"], samples_resumed=len(done),
+        samples_unfittable=stats["samples_unfittable"], tokens_written=tokens_written,
+        bytes_written=stats["bytes_written"], store_samples=len(store), store_tokens=store.total_tokens,
+        bytes_on_disk=files_bytes + (store_dir / "store.json").stat().st_size
+        + (manifest.stat().st_size if manifest.exists() else 0),
+        manifest_sha256=sha256_file(manifest) if manifest.exists() else "",
+        fingerprint=fingerprint, tokens_per_second=tokens_written / extract_s if extract_s > 0 else 0.0,
+        extract_seconds=extract_s, model_load_seconds=stats["model_load_seconds"], model_loads=stats["model_loads"],
+        token_budget_history=stats["token_budget_history"], temp_files_removed=temps_removed,
+        manifest_entries_dropped=dropped,
+    )
+    log.info("extract: done: %d samples written (%s tokens, %s bytes) at %s tok/s, %d resumed, %d unfittable "
+             "skipped; store %s holds %d/%d samples", result.samples_written, f"{tokens_written:,}",
+             f"{result.bytes_written:,}", f"{result.tokens_per_second:,.0f}", result.samples_resumed,
+             len(result.samples_unfittable), store_dir, len(store), len(ds))
+    return result

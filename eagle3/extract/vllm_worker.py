@@ -1,0 +1,99 @@
+"""vLLM-side driver of the vLLM extraction backend: ``python -m eagle3.extract.vllm_worker <job.json>``.
+
+Runs in the vLLM environment (imports torch, safetensors, vllm and ``eagle3.extract.store`` only). Started by
+``eagle3.extract.vllm_backend`` in its own process group; the parent holds the GPU lock, watches the manifest for
+progress and kills the whole group on timeout or cancel.
+
+It prefills every sample once (``max_tokens=1``) with vLLM's ``extract_hidden_states`` speculative method. The
+target returns the residual stream at ``aux_layer_ids + [L]`` (vLLM convention; id L = last layer's output before
+the final norm), vLLM caches those per token, and ``Eagle3StoreConnector`` writes each finished sample into the
+store. Prefix caching is OFF: a cached prefix would skip the forward of those tokens and their states.
+
+Job file keys: verifier, aux_layer_ids, num_hidden_layers, store_dir, group_size, store_dtype, work_file
+(safetensors: index [N] int64, offsets [N+1] int64, input_ids [sum T] int32, loss_mask [sum T] uint8),
+dtype, tensor_parallel_size, max_num_batched_tokens, max_num_seqs, max_model_len, gpu_memory_utilization,
+enforce_eager, trust_remote_code, chunk_samples, write_timeout_seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from eagle3.extract.store import read_manifest
+
+
+def build_llm(job: dict):
+    from vllm import LLM
+
+    layer_ids = [*job["aux_layer_ids"], job["num_hidden_layers"]]  # the last id = final state, before the norm
+    return LLM(
+        model=job["verifier"],
+        dtype=job["dtype"],
+        tensor_parallel_size=job["tensor_parallel_size"],
+        max_model_len=job["max_model_len"],
+        max_num_batched_tokens=job["max_num_batched_tokens"],
+        max_num_seqs=job["max_num_seqs"],
+        gpu_memory_utilization=job["gpu_memory_utilization"],
+        enforce_eager=job["enforce_eager"],
+        trust_remote_code=job["trust_remote_code"],
+        enable_prefix_caching=False,
+        disable_log_stats=True,
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}},
+        },
+        kv_transfer_config={
+            "kv_connector": "Eagle3StoreConnector",
+            "kv_connector_module_path": "eagle3.extract.vllm_connector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {
+                "eagle3_store_dir": job["store_dir"],
+                "eagle3_group_size": job["group_size"],
+                "eagle3_store_dtype": job["store_dtype"],
+                "eagle3_n_aux": len(job["aux_layer_ids"]),
+                "num_writer_threads": 4,
+            },
+        },
+    )
+
+
+def main(job_path: str) -> int:
+    from safetensors.torch import load_file
+    from vllm import SamplingParams
+
+    from eagle3.extract.vllm_connector import INDEX_KEY, LOSS_MASK_KEY
+
+    job = json.loads(Path(job_path).read_text())
+    work = load_file(job["work_file"])
+    index, offsets = work["index"].tolist(), work["offsets"].tolist()
+    input_ids, loss_mask = work["input_ids"], work["loss_mask"]
+    llm = build_llm(job)
+    chunk = max(1, int(job["chunk_samples"]))
+    for a in range(0, len(index), chunk):
+        prompts, params = [], []
+        for j in range(a, min(a + chunk, len(index))):
+            s, e = offsets[j], offsets[j + 1]
+            prompts.append({"prompt_token_ids": input_ids[s:e].tolist()})
+            params.append(SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {
+                INDEX_KEY: index[j], LOSS_MASK_KEY: loss_mask[s:e].tolist()}}))
+        llm.generate(prompts, params, use_tqdm=False)
+    # writes finish on the connector's threads: wait until the manifest lists every sample of this job
+    want, deadline = set(index), time.monotonic() + float(job["write_timeout_seconds"])
+    while True:
+        missing = want - set(read_manifest(job["store_dir"], strict=False))
+        if not missing:
+            print(f"[eagle3-vllm] wrote {len(want)} samples", flush=True)
+            return 0
+        if time.monotonic() > deadline:
+            print(f"[eagle3-vllm] {len(missing)} samples never reached the store, e.g. {sorted(missing)[:10]}",
+                  file=sys.stderr, flush=True)
+            return 3
+        time.sleep(0.2)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
