@@ -366,6 +366,15 @@ def test_tokenizer_without_chat_template_is_a_data_error_naming_the_path(tmp_pat
     src = str(write_jsonl(tmp_path / "rows.jsonl", [{"messages": CONVERSATIONS[0]}]))
     with pytest.raises(DataError, match=f"{bare}.*no chat template"):
         prepare_dataset({"sources": [src], "tokenizer_path": str(bare)}, tmp_path / "out")
+    # the override fixes it: a template file beside the data works, a path that is not there is named
+    template_file = tmp_path / "llama3.jinja"
+    template_file.write_text((DATA / "tok-llama3" / "chat_template.jinja").read_text())
+    ok = prepare_dataset({"sources": [src], "tokenizer_path": str(bare), "chat_template": str(template_file)},
+                         tmp_path / "out-ok")
+    assert ok.num_samples == 1
+    with pytest.raises(DataError, match="nope.jinja.*no such file"):
+        prepare_dataset({"sources": [src], "tokenizer_path": str(bare), "chat_template": "nope.jinja"},
+                        tmp_path / "out")
     with pytest.raises(DataError, match="missing-tokenizer"):
         prepare_dataset({"sources": [src], "tokenizer_path": str(tmp_path / "missing-tokenizer")}, tmp_path / "out")
 
