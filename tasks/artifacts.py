@@ -19,7 +19,7 @@ def _in_run() -> bool:
 
         get_run_context()
         return True
-    except Exception:
+    except Exception:  # noqa: BLE001 - no run context: not inside a flow/task run
         return False
 
 
@@ -69,5 +69,5 @@ class ProgressArtifact:
         try:
             update_progress_artifact(artifact_id=self.artifact_id, progress=100.0 * done / max(1, total),
                                      description=f"{self.description}: {line}"[:1000])
-        except Exception as exc:  # the UI mirror must never fail the stage
+        except Exception as exc:  # noqa: BLE001 - the UI mirror must never fail the stage
             log.warning("progress artifact update failed: %s", exc)

@@ -1,29 +1,33 @@
-"""Prefect task for the capacity stage: size the hidden-state store and refuse before extraction if it won't fit."""
+"""Capacity task: size the hidden-state store from config.json + sample lengths; refuse before extraction."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from prefect import task
 
 from eagle3.capacity import CapacityConfig, plan_capacity
+from eagle3.extract.config import ExtractConfig
+from eagle3.io import sha256_file
+from eagle3.verifier import VerifierSpec
+from tasks import artifacts
+from tasks.common import cache_key, stage_dir
 
 
-@task
-def plan_capacity_task(
-    cfg: CapacityConfig,
-    verifier_path: str | Path,
-    aux_layer_ids: list[int],
-    dataset_dir: str | Path,
-    dest: str,
-    max_seq_len: int,
-    out_dir: str | Path,
-) -> dict:
-    """aux_layer_ids in vLLM's convention; ``dest`` = where the store will be written; ``max_seq_len`` in tokens.
+@task(name="plan-capacity", cache_key_fn=cache_key, persist_result=True, result_serializer="json")
+def plan_capacity_task(cfg: CapacityConfig, extract: ExtractConfig, inputs: dict, data: dict, run_dir: str) -> dict:
+    """-> the plan (bytes per token, exact and worst-case store bytes, free space, time) + plan.json.
 
-    -> the plan as a dict plus ``plan_path`` (``<out_dir>/plan.json``). Raises CapacityError when it does not fit
-    and ``cfg.on_insufficient == "fail"``.
+    Raises CapacityError when the store would not fit at ``run_dir`` with the margin (cfg.on_insufficient="fail").
     """
-    cfg = CapacityConfig.model_validate(cfg)
-    plan = plan_capacity(verifier_path, aux_layer_ids, Path(dataset_dir), dest, cfg, max_seq_len=max_seq_len)
-    return {**plan.model_dump(mode="json"), "plan_path": str(plan.save_plan(out_dir))}
+    out_dir = stage_dir(run_dir, "plan-capacity",
+                        {"cfg": cfg, "extract": extract, "inputs": inputs, "data": data, "run_dir": run_dir})
+    spec = VerifierSpec.from_path(extract.verifier)
+    aux = extract.aux_layer_ids or spec.default_aux_layer_ids()
+    # the store's dtype is the extraction setting's; the capacity section's own is for planning without a pipeline
+    cfg = cfg.model_copy(update={"store_dtype": spec.dtype if extract.store_dtype == "model" else extract.store_dtype})
+    plan = plan_capacity(extract.verifier, aux, data["dataset_path"], run_dir, cfg, max_seq_len=data["max_seq_len"])
+    path = plan.save_plan(out_dir)
+    summary = plan.summary()
+    artifacts.markdown("capacity-plan", f"# Capacity plan\n\n```\n{summary}\n```\n",
+                       description="Hidden-state store size, free space and time estimate")
+    return {"stage": "plan-capacity", "out_dir": str(out_dir), "paths": {"plan": str(path)},
+            "fingerprint": sha256_file(path), "summary": summary, **plan.model_dump(mode="json")}

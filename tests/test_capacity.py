@@ -12,7 +12,6 @@ import torch
 from eagle3.capacity import CapacityConfig, CapacityError, plan_capacity, sample_lengths, store_file_bytes
 from eagle3.extract.store import serialize_sample
 from eagle3.verifier import VerifierError, torch_dtype
-from tasks.capacity import plan_capacity_task
 
 KIMI_AUX = [2, 30, 58]  # vLLM convention: residual streams entering decoder layers 2, 30, 58
 KIMI_HEADER_512 = 376  # safetensors header (8-byte length + padded JSON + metadata) of store file 0, 512 tokens
@@ -121,19 +120,3 @@ def test_fsspec_destination_without_free_space_is_unknown_not_refused(kimi_confi
 def test_out_of_range_aux_layer_is_a_clear_error(kimi_config, tmp_path):
     with pytest.raises(VerifierError, match=r"aux_layer_ids \[61\] out of range .* 61 layers"):
         plan_capacity(kimi_config, [2, 30, 61], [512], tmp_path, CapacityConfig(), 512)
-
-
-def test_task_with_kimi_like_target_writes_plan_json(kimi_like_target, tmp_path):
-    cfg = CapacityConfig(model_load_bytes_per_second=1e6)
-    ids = [[5] * n for n in (10, 20)]
-    masks = [[1] * len(r) for r in ids]
-    datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": masks}).save_to_disk(str(tmp_path / "dataset"))
-    manifest = plan_capacity_task.fn(cfg, kimi_like_target, [1, 3, 5], tmp_path / "dataset", str(tmp_path / "store"),
-                                     max_seq_len=64, out_dir=tmp_path / "capacity")
-    assert manifest["bytes_per_token"] == 4 * 64 * 2  # tiny DeepseekV3: hidden 64, bf16 store
-    assert manifest["total_tokens"] == 30
-    index = json.loads((kimi_like_target / "model.safetensors.index.json").read_text())
-    assert manifest["weight_bytes"] == index["metadata"]["total_size"]
-    assert manifest["model_load_seconds"] == pytest.approx(manifest["weight_bytes"] / 1e6)
-    saved = json.loads(Path(manifest["plan_path"]).read_text())
-    assert saved == {k: v for k, v in manifest.items() if k != "plan_path"}

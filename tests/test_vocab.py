@@ -20,7 +20,6 @@ from eagle3.vocab import (
     load_mapping,
     save_mapping,
 )
-from tasks.vocab import build_vocab_mapping_task
 
 FEATURES = datasets.Features(
     {"input_ids": datasets.Sequence(datasets.Value("int32")), "loss_mask": datasets.Sequence(datasets.Value("int8"))}
@@ -181,16 +180,3 @@ def test_corrupted_or_inconsistent_mapping_file_is_a_clear_error(tmp_path):
     save_file({"d2t": d2t}, str(missing))
     with pytest.raises(VocabError, match=r"missing.safetensors lacks tensor\(s\) \['t2d'\]"):
         load_mapping(missing)
-
-
-def test_task_reads_the_target_vocab_from_the_verifier(dataset, kimi_like_target, tmp_path):
-    path, ids, mask = dataset
-    manifest = build_vocab_mapping_task.fn(VocabConfig(draft_vocab_size=128), path, kimi_like_target, tmp_path / "v")
-    d2t, t2d = load_mapping(manifest["mapping_path"])
-    assert manifest["target_vocab_size"] == 1024 == len(t2d)  # the Kimi-like DeepseekV3's nested text_config
-    assert manifest["draft_vocab_size"] == 128 == len(d2t)
-    assert manifest["distinct_tokens_seen"] == len(brute_force_counts(ids, mask))
-    from eagle3.io import sha256_file
-
-    assert manifest["mapping_sha256"] == sha256_file(manifest["mapping_path"])
-    json.dumps(manifest)  # a small JSON-serialisable manifest

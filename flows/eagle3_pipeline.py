@@ -1,0 +1,95 @@
+"""The EAGLE-3 pipeline as Prefect flows. Flows only wire tasks; tasks only call `eagle3`.
+
+    prepare -> capacity plan -> extract -> vocab -> train -> validate
+
+Three flows, deployed by prefect.yaml: the whole pipeline, extraction alone (a shard range per GPU host), and
+train + validate over an existing store. Run locally with Prefect's ephemeral API (no server to start):
+
+    python -m flows.eagle3_pipeline --preset tiny [--set train.epochs=2 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from prefect import flow
+from tasks.extract import extract_hidden_states_task
+from tasks.train import train_draft_task
+from tasks.validate import validate_draft_task
+
+from eagle3.config import PipelineConfig, load_config, parse_set, preset_names
+from tasks.capacity import plan_capacity_task
+from tasks.common import describe_inputs, result_storage_block, run_stage
+from tasks.prepare import prepare_data
+from tasks.vocab import build_vocab_task
+
+# the flow-run form's defaults: the tiny preset (checkout-relative paths, so the default is portable)
+DEFAULT_CONFIG = load_config("tiny")
+
+
+def _stages(config: PipelineConfig):
+    """The stage tasks with this run's result storage (cache records + manifests) attached."""
+    storage = result_storage_block(config.result_storage_path)
+    return {t.name: t.with_options(result_storage=storage) for t in (
+        prepare_data, plan_capacity_task, extract_hidden_states_task, build_vocab_task, train_draft_task,
+        validate_draft_task)}
+
+
+def _front(config: PipelineConfig, s: dict) -> tuple[dict, dict, dict]:
+    inputs = describe_inputs(config.verifier, config.sources)
+    data = run_stage(s["prepare-data"], cfg=config.prepare_config(), inputs=inputs, run_dir=config.run_dir)
+    plan = run_stage(s["plan-capacity"], cfg=config.capacity, extract=config.extract_config(), inputs=inputs,
+                     data=data, run_dir=config.run_dir)
+    return inputs, data, plan
+
+
+@flow(name="eagle3-pipeline", flow_run_name="{config.run_name}", log_prints=True)
+def eagle3_pipeline(config: PipelineConfig = DEFAULT_CONFIG) -> dict:
+    """Chat data + verifier -> trained EAGLE-3 draft, validated in vLLM. Every stage is cached by content."""
+    s = _stages(config)
+    inputs, data, plan = _front(config, s)
+    store = run_stage(s["extract-hidden-states"], cfg=config.extract_config(), host=config.host, inputs=inputs,
+                      data=data, plan=plan, run_dir=config.run_dir)
+    vocab = run_stage(s["build-vocab"], cfg=config.vocab, inputs=inputs, data=data, run_dir=config.run_dir)
+    ckpt = run_stage(s["train-draft"], cfg=config.train_config(), host=config.host, inputs=inputs, store=store,
+                     vocab=vocab, run_dir=config.run_dir)
+    report = run_stage(s["validate-draft"], cfg=config.validate_config, inputs=inputs, checkpoint=ckpt,
+                       run_dir=config.run_dir)
+    return {"run_dir": config.run_dir, "checkpoint": ckpt["best_dir"], "report": report["paths"]["report_md"],
+            "verdict": report["verdict"], "mean_acceptance_length": report.get("mean_acceptance_length")}
+
+
+@flow(name="eagle3-extract", flow_run_name="{config.run_name}-extract-{config.extract.shard_start}")
+def eagle3_extract(config: PipelineConfig = DEFAULT_CONFIG) -> dict:
+    """Prepare + plan + extract only: one shard (extract.shard_start/shard_end, sample indices) per GPU host."""
+    s = _stages(config)
+    inputs, data, plan = _front(config, s)
+    return run_stage(s["extract-hidden-states"], cfg=config.extract_config(), host=config.host, inputs=inputs,
+                     data=data, plan=plan, run_dir=config.run_dir)
+
+
+@flow(name="eagle3-train-validate", flow_run_name="{config.run_name}-train")
+def eagle3_train_validate(config: PipelineConfig = DEFAULT_CONFIG) -> dict:
+    """Vocab + train + validate over the store the extraction flow wrote (same config -> same cached manifests)."""
+    return eagle3_pipeline.fn(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny", choices=preset_names(), help="deployments/presets/<name>.yaml")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a setting, e.g. --set train.epochs=2 (value parsed as YAML); repeatable")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = load_config(args.preset, parse_set(args.set))
+    result = eagle3_pipeline(config)
+    print("\n" + json.dumps(result, indent=2))
+    print(f"\nDraft checkpoint (vLLM-ready): {result['checkpoint']}\nValidation report: {result['report']}")
+    return 0 if result["verdict"] == "pass" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
