@@ -1,0 +1,232 @@
+"""Run a command in its own process group and never leave a process of it behind.
+
+Stages that run code in another interpreter (the vLLM environment) go through ``run_subprocess``:
+
+* the command starts in a NEW session / process group (``start_new_session``), under a tiny stdlib guard process
+  that is the group leader: the guard starts the command, forwards SIGTERM/SIGINT to the whole group, and kills the
+  group when OUR process disappears (a Prefect cancellation that SIGKILLs the flow process, an OOM kill), which no
+  ``finally`` block in this process could do;
+* stdout and stderr are merged and streamed line by line to the logger (``log_prefix`` in front), the last lines
+  kept for error messages;
+* on timeout, on KeyboardInterrupt / task cancellation (any exception while waiting) the whole group gets SIGTERM,
+  then SIGKILL after ``grace_s``; descendants that left the group (setsid) are found through psutil and killed too.
+
+    result = run_subprocess([python, "-m", "eagle3.vllm_check", ...], env=env, timeout_s=900, log_prefix="[vllm] ")
+    result.check()  # raises SubprocessFailed naming the command, the exit status and the last output lines
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import psutil
+
+log = logging.getLogger("eagle3")
+
+_TAIL_LINES = 200  # output lines kept for the result and error messages
+_GUARD_POLL_S = 0.5  # how often the guard checks that our process is still alive
+
+# The guard runs with OUR interpreter (stdlib only), so it works whatever the command's interpreter is.
+# argv: <owner pid> <command...>. It is the process-group leader; the command inherits the group.
+_GUARD_SOURCE = r"""
+import os, signal, subprocess, sys
+owner = int(sys.argv[1])
+child = subprocess.Popen(sys.argv[2:])
+def on_term(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group signal below reaches the guard too
+    try:
+        os.killpg(os.getpgrp(), signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+signal.signal(signal.SIGTERM, on_term)
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the owner's terminal is the owner's to handle
+while True:
+    try:
+        rc = child.wait(timeout=POLL_S)
+        break
+    except subprocess.TimeoutExpired:
+        pass
+    if os.getppid() != owner:  # the owner died: nobody will ever wait for this group
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+sys.exit(rc if rc >= 0 else 128 - rc)
+""".replace("POLL_S", repr(_GUARD_POLL_S))
+
+
+class SubprocessFailed(RuntimeError):
+    """A subprocess exited non-zero or ran past its timeout; the message names the command and shows its last lines."""
+
+
+@dataclass
+class SubprocessResult:
+    """What ``subprocess.CompletedProcess`` holds, plus the timeout flag and the output tail."""
+
+    args: list[str]
+    returncode: int
+    stdout: str  # the last _TAIL_LINES lines of merged stdout+stderr
+    timed_out: bool
+    seconds: float
+    killed_pids: list[int] = field(default_factory=list)
+
+    def check(self) -> SubprocessResult:
+        if self.timed_out:
+            raise SubprocessFailed(
+                f"command timed out after {self.seconds:.0f} s and was killed with its process group: "
+                f"{_short(self.args)}\n--- last output ---\n{_last(self.stdout)}"
+            )
+        if self.returncode != 0:
+            raise SubprocessFailed(
+                f"command exited with status {self.returncode}: {_short(self.args)}\n--- last output ---\n"
+                f"{_last(self.stdout)}"
+            )
+        return self
+
+
+def _short(args: Sequence[str]) -> str:
+    text = " ".join(str(a) for a in args)
+    return text if len(text) < 400 else text[:400] + " ..."
+
+
+def _last(text: str, n: int = 40) -> str:
+    return "\n".join(text.splitlines()[-n:])
+
+
+def _group_members(pgid: int) -> list[psutil.Process]:
+    members = []
+    for p in psutil.process_iter(["pid"]):
+        with contextlib.suppress(psutil.Error):
+            if os.getpgid(p.pid) == pgid:
+                members.append(p)
+    return members
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _wait_dead(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait until none of ``procs`` runs; returns those still running. Never reaps (psutil's wait_procs would
+    reap our own child, and Popen.wait would then lose its exit status)."""
+    deadline = time.monotonic() + timeout
+    alive = [p for p in procs if _running(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [p for p in alive if _running(p)]
+    return alive
+
+
+def kill_process_tree(leader_pid: int, grace_s: float = 5.0) -> list[int]:
+    """SIGTERM the process group led by ``leader_pid`` (and every descendant, in or out of the group), wait up to
+    ``grace_s`` seconds, SIGKILL what is left. Returns the pids that were signalled."""
+    procs: dict[int, psutil.Process] = {}
+    with contextlib.suppress(psutil.Error):
+        leader = psutil.Process(leader_pid)
+        procs[leader.pid] = leader
+        for c in leader.children(recursive=True):
+            procs[c.pid] = c
+    for p in _group_members(leader_pid):
+        procs.setdefault(p.pid, p)
+        with contextlib.suppress(psutil.Error):
+            for c in p.children(recursive=True):
+                procs.setdefault(c.pid, c)
+    procs.pop(os.getpid(), None)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(leader_pid, signal.SIGTERM)
+    for p in procs.values():
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    alive = _wait_dead(list(procs.values()), grace_s)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(leader_pid, signal.SIGKILL)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    _wait_dead(alive, grace_s)
+    return sorted(procs)
+
+
+def run_subprocess(
+    cmd: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    timeout_s: float | None = None,
+    log_prefix: str = "",
+    cwd: str | os.PathLike | None = None,
+    logger: logging.Logger | None = None,
+    grace_s: float = 5.0,
+) -> SubprocessResult:
+    """Run ``cmd`` (list of str) in its own process group; stream its output lines to ``logger`` (INFO).
+
+    ``timeout_s``: wall-clock seconds before the group is killed (None: no limit); the result then has
+    ``timed_out=True``. Any exception while waiting (KeyboardInterrupt, a cancelled task) kills the group and is
+    re-raised. Call ``.check()`` on the result to turn a failure into ``SubprocessFailed``.
+    """
+    logger = logger or log
+    args = [str(a) for a in cmd]
+    guard = [sys.executable, "-c", _GUARD_SOURCE, str(os.getpid()), *args]
+    tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        guard,
+        env=dict(env) if env is not None else None,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        bufsize=1,
+        text=True,
+        errors="replace",
+    )
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            tail.append(line)
+            logger.info("%s%s", log_prefix, line)
+
+    reader = threading.Thread(target=pump, name=f"subproc-{proc.pid}", daemon=True)
+    reader.start()
+    timed_out = False
+    killed: list[int] = []
+    try:
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            logger.warning("%scommand ran past %s s: killing its process group %d", log_prefix, timeout_s, proc.pid)
+            killed = kill_process_tree(proc.pid, grace_s)
+            returncode = proc.wait()
+    except BaseException:
+        logger.warning("%sinterrupted: killing process group %d", log_prefix, proc.pid)
+        kill_process_tree(proc.pid, grace_s)
+        with contextlib.suppress(Exception):
+            proc.wait(timeout=grace_s)
+        reader.join(timeout=grace_s)
+        raise
+    # the command is done; anything it left running in its group (a stray worker) goes with it
+    leftovers = [p.pid for p in _group_members(proc.pid)]
+    if leftovers:
+        logger.warning("%scommand left processes %s behind: killing them", log_prefix, leftovers)
+        killed += kill_process_tree(proc.pid, grace_s)
+    reader.join(timeout=grace_s)
+    return SubprocessResult(
+        args=args,
+        returncode=returncode,
+        stdout="\n".join(tail),
+        timed_out=timed_out,
+        seconds=time.monotonic() - start,
+        killed_pids=killed,
+    )

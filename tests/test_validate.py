@@ -1,0 +1,341 @@
+"""Structural validation of draft checkpoints: a good checkpoint written by eagle3.checkpoint passes, and a corpus of
+deliberately broken ones (each written as real config.json + model.safetensors files) is each caught with its own
+code and a message naming what is wrong. Report files (JSON, markdown, PNG) from a report dict."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3.checkpoint import save_draft
+from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.validate import ValidateConfig, render_markdown, validate_checkpoint, write_report
+from eagle3.verifier import VerifierSpec
+
+DRAFT_VOCAB = 512
+AUX = [1, 2, 3]  # vLLM convention: residual stream entering layers 1, 2, 3 of the 4-layer tiny verifier
+
+
+def vocab_tables(vocab: int, draft_vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    kept = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values  # [draft_vocab] ascending target ids
+    d2t = kept - torch.arange(draft_vocab)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[kept] = True
+    return d2t, t2d
+
+
+def make_draft(verifier: Path, out: Path, **cfg_overrides) -> Path:
+    """A real checkpoint folder, written by eagle3.checkpoint.save_draft."""
+    spec = VerifierSpec.from_path(verifier)
+    cfg = DraftConfig.build(spec, DRAFT_VOCAB, AUX, torch_dtype="float32")
+    if cfg_overrides:
+        cfg = DraftConfig.model_validate({**cfg.model_dump(), **cfg_overrides})
+    d2t, t2d = vocab_tables(cfg.vocab_size, cfg.draft_vocab_size)
+    if cfg.hidden_size == spec.hidden_size:
+        draft = Eagle3Draft.from_verifier(cfg, verifier, d2t, t2d)
+    else:
+        torch.manual_seed(0)
+        draft = Eagle3Draft(cfg)
+        draft.d2t.copy_(d2t)
+        draft.t2d.copy_(t2d)
+    return save_draft(out, cfg, draft.state_dict(), {"verifier": str(verifier)})
+
+
+def rewrite(src: Path, dst: Path, config=None, tensors=None) -> Path:
+    """Copy checkpoint ``src`` to ``dst`` with ``config(dict)`` / ``tensors(dict)`` applied (they mutate in place)."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    ts = load_file(str(dst / "model.safetensors"))
+    if config:
+        config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    if tensors:
+        tensors(ts)
+        save_file({k: v.contiguous() for k, v in ts.items()}, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def good(tiny_llama_verifier, tmp_path_factory) -> Path:
+    return make_draft(tiny_llama_verifier, tmp_path_factory.mktemp("good") / "draft")
+
+
+def test_good_checkpoint_passes_with_summary(good, tiny_llama_verifier):
+    rep = validate_checkpoint(good, tiny_llama_verifier)
+    assert rep.ok, rep.failures
+    assert rep.warnings == []
+    s = rep.summary
+    assert s["aux_layer_ids"] == AUX and s["draft_vocab_size"] == DRAFT_VOCAB and s["vocab_size"] == 8192
+    assert s["dtype"] == "float32" and s["embed_tokens_in_checkpoint"] is False and s["num_parameters"] > 0
+    json.dumps(rep.to_dict())  # JSON-serialisable
+
+
+def _pop_top_aux(c):
+    del c["eagle_aux_hidden_state_layer_ids"]
+
+
+def _pop_inner_aux(c):
+    del c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+
+
+def _set_aux(top, inner):
+    def f(c):
+        c["eagle_aux_hidden_state_layer_ids"] = top
+        c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = inner
+    return f
+
+
+def _nest(c):
+    inner = {k: c.pop(k) for k in list(c) if k not in ("architectures",)}
+    c["text_config"] = inner
+
+
+def _set(key, value):
+    def f(c):
+        c[key] = value
+    return f
+
+
+def _drop(name):
+    def f(t):
+        del t[name]
+    return f
+
+
+def _flip_t2d(t):
+    i = int(torch.nonzero(~t["t2d"])[0])  # a target id outside the draft vocab becomes "in" it
+    t["t2d"][i] = True
+
+
+def _nan(t):
+    t["midlayer.mlp.up_proj.weight"][3, 5] = float("nan")
+
+
+def _inf(t):
+    t["norm.weight"][0] = float("inf")
+
+
+def _fc_wrong(t):
+    t["fc.weight"] = t["fc.weight"][:, : 2 * 64].clone()  # two aux states' worth instead of three
+
+
+def _lm_head_rows(t):
+    t["lm_head.weight"] = t["lm_head.weight"][: DRAFT_VOCAB - 12].clone()
+
+
+def _prefix(t):
+    for k in list(t):
+        t["model." + k] = t.pop(k)
+
+
+def _extra(t):
+    t["midlayer.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+
+
+def _bf16(t):
+    t["midlayer.mlp.down_proj.weight"] = t["midlayer.mlp.down_proj.weight"].to(torch.bfloat16)
+
+
+def _d2t_out_of_range(t):
+    t["d2t"][-1] = 10_000
+
+
+def _d2t_dup(t):
+    t["d2t"][1] = t["d2t"][0] - 1  # draft id 1 -> the same target id as draft id 0
+
+
+def _d2t_int32(t):
+    t["d2t"] = t["d2t"].to(torch.int32)
+
+
+def _t2d_uint8(t):
+    t["t2d"] = t["t2d"].to(torch.uint8)
+
+
+def _eagle_opt(key):
+    def f(c):
+        c["eagle_config"][key] = True
+    return f
+
+
+# (id, config mutation, tensor mutation, expected failure codes, words the message must contain)
+CORPUS = [
+    ("nested_config", _nest, None, ["config_nested"], ["text_config", "FLAT"]),
+    ("aux_missing_top_level", _pop_top_aux, None, ["aux_ids_missing_top_level"], ["top level"]),
+    ("aux_missing_eagle_config", _pop_inner_aux, None, ["aux_ids_missing_eagle_config"], ["eagle_config"]),
+    ("aux_top_vs_eagle_config", _set_aux([1, 2, 3], [0, 1, 2]), None, ["aux_ids_mismatch"], ["[1, 2, 3]", "[0, 1, 2]"]),
+    ("aux_out_of_range", _set_aux([1, 2, 4], [1, 2, 4]), None, ["aux_ids_out_of_range"], ["[4]", "vLLM convention"]),
+    ("aux_not_ascending", _set_aux([3, 2, 1], [3, 2, 1]), None, ["aux_ids_not_ascending"], ["ascending"]),
+    ("aux_not_list", _set_aux("1,2,3", "1,2,3"), None, ["aux_ids_invalid"], ["list of integers"]),
+    ("use_aux_false", lambda c: c["eagle_config"].update(use_aux_hidden_state=False), None,
+     ["use_aux_hidden_state_false"], ["use_aux_hidden_state"]),
+    ("norm_before_fc", _eagle_opt("norm_before_fc"), None, ["unsupported_option"], ["norm_before_fc"]),
+    ("draft_vocab_size", _set("draft_vocab_size", 600), None, ["draft_vocab_size_mismatch"], ["600", "512"]),
+    ("draft_vocab_gt_vocab", _set("draft_vocab_size", 9000), None,
+     ["draft_vocab_size_too_large", "draft_vocab_size_mismatch"], ["9000"]),
+    ("vocab_size", _set("vocab_size", 8000), None, ["vocab_size_mismatch"], ["8000", "8192"]),
+    ("target_hidden_size", _set("target_hidden_size", 128), None, ["target_hidden_size_mismatch", "fc_shape"],
+     ["128", "64"]),
+    ("architectures", _set("architectures", ["LlamaForCausalLM"]), None, ["architectures"], ["LlamaForCausalLMEagle3"]),
+    ("model_type", _set("model_type", "deepseek_v3"), None, ["model_type"], ["llama"]),
+    ("two_layers", _set("num_hidden_layers", 2), None, ["num_hidden_layers"], ["one decoder layer"]),
+    ("missing_key", lambda c: c.pop("intermediate_size"), None, ["config_missing_keys"], ["intermediate_size"]),
+    ("rope_yarn", _set("rope_parameters", {"rope_type": "yarn", "factor": 4.0}), None, ["unsupported_option"],
+     ["yarn"]),
+    ("dtype_declared", _set("torch_dtype", "bfloat16"), None, ["dtype_mismatch"], ["float32", "bfloat16"]),
+    ("d2t_missing", None, _drop("d2t"), ["d2t_missing"], ["no d2t", "target id i"]),
+    ("t2d_missing", None, _drop("t2d"), ["t2d_missing"], ["t2d"]),
+    ("t2d_inconsistent", None, _flip_t2d, ["t2d_inconsistent"], ["arange", "513 true"]),
+    ("t2d_dtype", None, _t2d_uint8, ["t2d_dtype"], ["uint8"]),
+    ("d2t_out_of_range", None, _d2t_out_of_range, ["d2t_out_of_range"], ["draft id 511"]),
+    ("d2t_not_unique", None, _d2t_dup, ["d2t_not_unique"], ["same target id"]),
+    ("d2t_dtype", None, _d2t_int32, ["d2t_dtype"], ["int32", "int64"]),
+    ("fc_shape", None, _fc_wrong, ["fc_shape"], ["fc.weight", "(64, 128)", "(64, 192)"]),
+    ("nan_weight", None, _nan, ["nonfinite"], ["midlayer.mlp.up_proj.weight (1 values)"]),
+    ("inf_norm", None, _inf, ["nonfinite"], ["norm.weight"]),
+    ("lm_head_rows", None, _lm_head_rows, ["lm_head_shape"], ["lm_head.weight", "(500, 64)", "512"]),
+    ("model_prefix", None, _prefix, ["names_prefixed"], ["model.", "prefix"]),
+    ("missing_tensor", None, _drop("midlayer.hidden_norm.weight"), ["tensors_missing"], ["midlayer.hidden_norm"]),
+    ("unexpected_tensor", None, _extra, ["tensors_unexpected"], ["rotary_emb.inv_freq"]),
+    ("mixed_dtypes", None, _bf16, ["dtype_mismatch"], ["bfloat16", "float32"]),
+]
+
+
+@pytest.mark.parametrize("case", CORPUS, ids=[c[0] for c in CORPUS])
+def test_broken_checkpoint_is_caught_with_its_own_message(case, good, tiny_llama_verifier, tmp_path):
+    name, config, tensors, codes, words = case
+    broken = rewrite(good, tmp_path / name, config, tensors)
+    rep = validate_checkpoint(broken, tiny_llama_verifier)
+    assert not rep.ok
+    assert rep.codes == codes, [f"{f.code}: {f.message}" for f in rep.failures]
+    message = rep.failures[0].message
+    for w in words:
+        assert w in message, (w, message)
+    json.dumps(rep.to_dict())
+
+
+def test_corpus_cases_are_distinct():
+    assert len({c[0] for c in CORPUS}) == len(CORPUS)
+
+
+def test_embedding_absent_requires_verifier_width(tiny_llama_verifier, tmp_path):
+    # a consistent draft of width 128 over a width-64 verifier: valid only with its own embedding
+    wide = make_draft(tiny_llama_verifier, tmp_path / "wide", hidden_size=128)
+    rep = validate_checkpoint(wide, tiny_llama_verifier)
+    assert rep.codes == ["embed_shared_hidden_mismatch"], rep.failures
+    assert "128" in rep.failures[0].message and "64" in rep.failures[0].message
+
+    def add_embedding(t):
+        t["embed_tokens.weight"] = torch.randn(8192, 128)
+
+    with_embed = rewrite(wide, tmp_path / "wide-embed", tensors=add_embedding)
+    assert validate_checkpoint(with_embed, tiny_llama_verifier).ok
+
+    def bad_embedding(t):
+        t["embed_tokens.weight"] = torch.randn(8192, 64)
+
+    rep = validate_checkpoint(rewrite(wide, tmp_path / "wide-bad-embed", tensors=bad_embedding), tiny_llama_verifier)
+    assert rep.codes == ["shape_mismatch"] and "embed_tokens.weight" in rep.failures[0].message
+
+
+def test_layers_0_spelling_loads_like_midlayer(good, tiny_llama_verifier, tmp_path):
+    def respell(t):
+        for k in [k for k in t if k.startswith("midlayer.")]:
+            t["layers.0." + k.removeprefix("midlayer.")] = t.pop(k)
+
+    rep = validate_checkpoint(rewrite(good, tmp_path / "respelled", tensors=respell), tiny_llama_verifier)
+    assert rep.ok, rep.failures
+
+
+def test_missing_files_and_folders(good, tiny_llama_verifier, tmp_path):
+    assert validate_checkpoint(tmp_path / "nope", tiny_llama_verifier).codes == ["draft_dir_missing"]
+    no_weights = rewrite(good, tmp_path / "no-weights")
+    (no_weights / "model.safetensors").unlink()
+    assert validate_checkpoint(no_weights, tiny_llama_verifier).codes == ["weights_missing"]
+    no_config = rewrite(good, tmp_path / "no-config")
+    (no_config / "config.json").unlink()
+    assert validate_checkpoint(no_config, tiny_llama_verifier).codes == ["config_missing"]
+    bad_json = rewrite(good, tmp_path / "bad-json")
+    (bad_json / "config.json").write_text("{not json")
+    assert validate_checkpoint(bad_json, tiny_llama_verifier).codes == ["config_invalid_json"]
+    garbage = rewrite(good, tmp_path / "garbage")
+    (garbage / "model.safetensors").write_bytes(b"\x00" * 64)
+    assert validate_checkpoint(garbage, tiny_llama_verifier).codes == ["weights_unreadable"]
+    no_run = rewrite(good, tmp_path / "no-run-info")
+    (no_run / "eagle3_run.json").unlink()
+    rep = validate_checkpoint(no_run, tiny_llama_verifier)
+    assert rep.ok and [w.code for w in rep.warnings] == ["run_info_missing"]
+    assert validate_checkpoint(good, tmp_path / "no-verifier").codes == ["verifier_unreadable"]
+
+
+def test_several_failures_are_all_listed(good, tiny_llama_verifier, tmp_path):
+    def cfg(c):
+        del c["eagle_aux_hidden_state_layer_ids"]
+        c["model_type"] = "mistral"
+
+    rep = validate_checkpoint(rewrite(good, tmp_path / "many", cfg, _nan), tiny_llama_verifier)
+    assert rep.codes == ["model_type", "aux_ids_missing_top_level", "nonfinite"]
+
+
+def test_draft_for_a_kimi_like_nested_verifier(kimi_like_target, tmp_path):
+    """The verifier side is read through its nested text_config (Kimi-K2.5 layout); the draft stays flat."""
+    spec = VerifierSpec.from_path(kimi_like_target)
+    cfg = DraftConfig.build(spec, 256, [2, 3, 5], torch_dtype="float32")
+    d2t, t2d = vocab_tables(spec.vocab_size, 256)
+    draft = Eagle3Draft.from_verifier(cfg, kimi_like_target, d2t, t2d)
+    folder = save_draft(tmp_path / "kimi-draft", cfg, draft.state_dict(), {"verifier": str(kimi_like_target)})
+    rep = validate_checkpoint(folder, kimi_like_target)
+    assert rep.ok, rep.failures
+    assert rep.summary["verifier_layers"] == 6 and rep.summary["aux_layer_ids"] == [2, 3, 5]
+    rep = validate_checkpoint(rewrite(folder, tmp_path / "kimi-bad", _set_aux([2, 3, 6], [2, 3, 6])), kimi_like_target)
+    assert rep.codes == ["aux_ids_out_of_range"] and "6 layers" in rep.failures[0].message
+
+
+def _sample_report(verdict: str = "pass") -> dict:
+    acc = {"num_speculative_tokens": 3, "num_drafts": 40, "num_draft_tokens": 120, "num_accepted_tokens": 50,
+           "accepted_per_pos": [25, 15, 10], "mean_acceptance_length": 2.25,
+           "per_position_acceptance": [0.625, 0.375, 0.25], "draft_acceptance_rate": 50 / 120}
+    return {"format": "eagle3-validation/1", "draft_dir": "/x/draft", "verifier_path": "/x/verifier",
+            "prompts_path": "/x/eval.jsonl", "settings": ValidateConfig().model_dump(mode="json"),
+            "structural": {"ok": True, "failures": [], "warnings": [],
+                           "summary": {"aux_layer_ids": [1, 2, 3], "draft_vocab_size": 512}},
+            "vllm": {"acceptance": acc, "lossless": True, "num_prompts": 8, "vllm_version": "0.32.0"},
+            "offline": {"acceptance": {**acc, "mean_acceptance_length": 2.3}, "relative_difference": 0.05/2.25},
+            "verdict": verdict, "reasons": [] if verdict == "pass" else ["[not_lossless] outputs differ"]}
+
+
+def test_write_report_files(tmp_path):
+    paths = write_report(tmp_path / "validate", _sample_report())
+    assert set(paths) == {"report_json", "report_md", "acceptance_png"}
+    assert Path(paths["acceptance_png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    back = json.loads(Path(paths["report_json"]).read_text())
+    assert back["paths"] == paths and back["verdict"] == "pass"
+    md = Path(paths["report_md"]).read_text()
+    assert "| mean acceptance length | 2.250 | 2.300 |" in md
+    assert "| acceptance at position 3 | 0.250 | 0.250 |" in md
+    assert "**PASS**" in md and "acceptance.png" in md
+
+
+def test_report_without_vllm_has_no_png_and_lists_reasons(tmp_path):
+    rep = _sample_report("fail")
+    rep["vllm"] = {"skipped": "the checkpoint failed the structural check"}
+    rep.pop("offline")
+    paths = write_report(tmp_path / "v", rep)
+    assert "acceptance_png" not in paths and not (tmp_path / "v" / "acceptance.png").exists()
+    md = render_markdown({**rep, "paths": paths})
+    assert "**FAIL**" in md and "[not_lossless] outputs differ" in md and "not run: the checkpoint failed" in md
+
+
+def test_validate_config_rejects_unknown_and_bad_fields():
+    with pytest.raises(ValueError):
+        ValidateConfig(num_speculative_tokens=0)
+    with pytest.raises(ValueError):
+        ValidateConfig(speculative_tokens=3)
+    with pytest.raises(ValueError):
+        ValidateConfig(min_mean_acceptance_length=0.5)  # below 1 token per step: not a length
