@@ -70,7 +70,9 @@ class ExtractConfig(BaseModel):
         "or <repo>/.venv-vllm/bin/python.",
     )
     vllm_gpu_memory_utilization: float = Field(
-        default=0.9, gt=0.0, le=1.0, description="vLLM backend: fraction of each GPU's memory vLLM may use.",
+        default=0.9, gt=0.0, le=1.0,
+        description="vLLM backend on GPUs: fraction of each GPU's memory vLLM may use (on a CPU-only host vLLM "
+        "reads this as a fraction of host memory; 0.25 is used there).",
     )
     vllm_timeout_seconds: float = Field(
         default=0.0, ge=0.0,

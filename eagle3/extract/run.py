@@ -15,6 +15,7 @@ Order of work in ``extract_hidden_states``:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -95,9 +96,9 @@ class ExtractResult:
 def check_aux_layer_ids(spec: VerifierSpec, ids: list[int] | None) -> list[int]:
     """Aux ids in vLLM's convention, defaulted and checked (range, strictly increasing: vLLM concatenates aux states
     in ascending layer order, so the stored order must be that order too)."""
-    ids = list(spec.default_aux_layer_ids() if ids is None else ids)
+    ids = sorted(set(spec.default_aux_layer_ids())) if ids is None else list(ids)  # tiny L: vLLM dedupes too
     spec.check_aux_layer_ids(ids)
-    if any(b <= a for a, b in zip(ids, ids[1:])):
+    if any(b <= a for a, b in itertools.pairwise(ids)):
         raise VerifierError(f"aux_layer_ids {ids} must be strictly increasing (vLLM concatenates aux states in "
                             f"ascending layer order; vLLM convention: id k = residual stream entering layer k)")
     return ids
@@ -144,6 +145,21 @@ def open_dataset(dataset_dir: str | Path, vocab_size: int | None = None):
     return ds, lengths
 
 
+def _gpu_ids(cfg: ExtractConfig) -> list[int]:
+    """CUDA device indices this job will use (empty on CPU): the lock and the preflight cover exactly these."""
+    if not torch.cuda.is_available():
+        return []
+    if cfg.backend == "vllm":
+        return list(range(cfg.tensor_parallel_size))  # vLLM takes the first tensor_parallel_size visible GPUs
+    if cfg.device_map is not None:
+        if isinstance(cfg.device_map, dict):
+            return sorted({torch.device(d).index or 0 if isinstance(d, str) else int(d)
+                           for d in cfg.device_map.values() if str(d) not in ("cpu", "disk")})
+        return list(range(torch.cuda.device_count()))
+    dev = torch.device(hf_backend.resolve_device(cfg.device))
+    return [dev.index or 0] if dev.type == "cuda" else []
+
+
 def _shard(cfg: ExtractConfig, n: int) -> tuple[int, int]:
     end = n if cfg.shard_end is None else min(cfg.shard_end, n)
     if cfg.shard_start >= n:
@@ -187,6 +203,11 @@ class _SafeProgress:
         with self.lock:
             self.progress.update(n, tokens, extra)
 
+    def restart(self) -> None:
+        """Start the clock now (after the model load), so tok/s and ETA measure extraction only."""
+        with self.lock:
+            self.progress.start = self.progress._last_t = time.monotonic()
+
 
 def _run_transformers(
     cfg: ExtractConfig,
@@ -211,18 +232,19 @@ def _run_transformers(
     writer = AsyncStoreWriter(store_dir, meta, cfg.write_queue_batches,
                               on_written=lambda e: progress.update(1, e["tokens"]))
     stats["extract_start"] = time.monotonic()
+    progress.restart()
     attempt = 0
     try:
         while (batch := batcher.next()) is not None:
             rows = ds[batch.indices]  # {"input_ids": [[...]], "loss_mask": [[...]]}
             input_ids, attention_mask = pad_right(rows["input_ids"])  # [B, T_max] each
             oom_message = None
+            attempt += 1
             try:
                 if oom_injector is not None:
-                    oom_injector(attempt, list(batch.indices), batch.padded_tokens)
-                attempt += 1
+                    oom_injector(attempt - 1, list(batch.indices), batch.padded_tokens)
                 aux, final = backend.capture(input_ids, attention_mask)  # [B, T_max, n_aux*H], [B, T_max, H]
-            except Exception as e:  # noqa: BLE001 - only OOM is handled; anything else re-raises
+            except Exception as e:  # only OOM is handled; anything else re-raises
                 if not is_oom_error(e):
                     raise
                 oom_message = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
@@ -313,17 +335,15 @@ def extract_hidden_states(
                                       every_s=cfg.log_every_seconds, logger=log, on_update=on_progress))
     t_start = time.monotonic()
     if todo:
-        names = ["host-cpu"] if cfg.backend == "vllm" and not torch.cuda.is_available() else (
-            lock_names(None, "auto") if cfg.backend == "vllm" else
-            lock_names(hf_backend.resolve_device(cfg.device), cfg.device_map))
+        gpu_ids = _gpu_ids(cfg)
+        names = lock_names(None, {str(i): f"cuda:{i}" for i in gpu_ids}) if gpu_ids else ["host-cpu"]
         with device_lock(names, cfg.lock_dir, cfg.lock_wait_seconds, logger=log) as lock_fds:
-            if torch.cuda.is_available() and cfg.min_free_gpu_memory_fraction > 0:
-                cuda_preflight(None, cfg.min_free_gpu_memory_fraction, logger=log)
+            if gpu_ids and cfg.min_free_gpu_memory_fraction > 0:
+                cuda_preflight(gpu_ids, cfg.min_free_gpu_memory_fraction, logger=log)
             if cfg.backend == "vllm":
                 from eagle3.extract import vllm_backend
 
-                vllm_backend.run_vllm(cfg, spec, aux_ids, Path(dataset_dir), sorted(todo), store_dir, stats,
-                                      progress.update, lock_fds)
+                vllm_backend.run_vllm(cfg, spec, aux_ids, ds, todo, store_dir, meta, stats, progress, lock_fds)
             else:
                 _run_transformers(cfg, spec, aux_ids, ds, todo, store_dir, meta, progress, oom_injector, stats)
     extract_s = stats.get("extract_end", time.monotonic()) - stats.get("extract_start", t_start)

@@ -1,0 +1,208 @@
+"""vLLM backend (production, tensor parallel): run ``eagle3.extract.vllm_worker`` in the vLLM environment.
+
+The parent (this module, pipeline env) holds the host GPU lock, writes the samples to do into a work file
+(safetensors: index, offsets, input_ids, loss_mask, because the vLLM env has no pyarrow/datasets), starts the driver
+in its own process group with the lock descriptors inherited (``pass_fds``: the lock stays held while any of them
+lives) and a parent-death signal, follows the store's manifest for progress lines, and kills the whole group on
+timeout, error or cancel. The driver writes the same store format and manifest as the transformers backend.
+
+Out of memory: vLLM sizes its KV cache at start-up and a failed allocation kills the engine, so recovery here means
+a restart (the model loads again) with the token budget (``max_num_batched_tokens``) halved, resuming from the
+manifest; samples already written are not redone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from eagle3.envs import vllm_python, vllm_subprocess_env
+from eagle3.extract.config import ExtractConfig
+from eagle3.extract.store import MANIFEST
+from eagle3.gpu import OutOfMemoryAfterRetries
+from eagle3.verifier import VerifierSpec
+
+log = logging.getLogger("eagle3.extract")
+
+WORK_DIR = ".vllm-work"  # inside the store; dot-folders are ignored by readers and fingerprints
+_OOM_MARKERS = ("out of memory", "outofmemoryerror", "no available memory for the cache blocks",
+                "can't allocate memory", "cannot allocate memory")
+_CHUNK_SAMPLES = 4096  # prompts per LLM.generate call in the driver (bounds its host memory)
+
+
+class VllmExtractionError(RuntimeError):
+    """The vLLM driver failed; the message carries the tail of its log and the log's path."""
+
+
+def _pdeathsig() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def kill_group(proc: subprocess.Popen, grace_seconds: float = 10.0) -> None:
+    """SIGTERM the child's whole process group (driver, engine core, workers), SIGKILL what is left."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_seconds)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def write_work_file(path: Path, ds, indices: list[int]) -> None:
+    """Samples to do as flat tensors: index [N], offsets [N+1], input_ids [sum T] int32, loss_mask [sum T] uint8."""
+    ids_parts, mask_parts, offsets = [], [], [0]
+    for a in range(0, len(indices), 4096):
+        rows = ds[indices[a : a + 4096]]
+        for ids, mask in zip(rows["input_ids"], rows["loss_mask"]):
+            ids_parts.append(torch.as_tensor(ids, dtype=torch.int32))
+            mask_parts.append(torch.as_tensor(mask, dtype=torch.uint8))
+            offsets.append(offsets[-1] + len(ids))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"index": torch.as_tensor(indices, dtype=torch.long), "offsets": torch.as_tensor(offsets),
+               "input_ids": torch.cat(ids_parts), "loss_mask": torch.cat(mask_parts)}, str(path))
+
+
+class _ManifestTail:
+    """Follows manifest.jsonl from a byte offset; yields entries of complete new lines."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = path.stat().st_size if path.exists() else 0
+
+    def new_entries(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        out = []
+        for line in data[:end].splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                if line.strip():
+                    out.append(json.loads(line))
+        return out
+
+
+def run_vllm(
+    cfg: ExtractConfig,
+    spec: VerifierSpec,
+    aux_ids: list[int],
+    ds,
+    todo: dict[int, int],
+    store_dir: Path,
+    meta: dict[str, Any],
+    stats: dict[str, Any],
+    progress,
+    lock_fds: list[int],
+) -> None:
+    python = vllm_python(cfg.vllm_python)
+    work = store_dir / WORK_DIR
+    work.mkdir(parents=True, exist_ok=True)
+    on_gpu = torch.cuda.is_available()
+    budget = cfg.max_tokens_per_batch
+    remaining = dict(todo)
+    stats["extract_start"] = time.monotonic()
+    attempt = 0
+    try:
+        while remaining:
+            attempt += 1
+            work_file = work / f"work-{os.getpid()}.safetensors"
+            write_work_file(work_file, ds, sorted(remaining))
+            job = {
+                "verifier": str(spec.path), "aux_layer_ids": aux_ids, "num_hidden_layers": spec.num_hidden_layers,
+                "store_dir": str(store_dir), "group_size": meta["group_size"], "store_dtype": meta["dtype"],
+                "work_file": str(work_file),
+                "dtype": spec.dtype if cfg.dtype == "auto" else cfg.dtype,
+                "tensor_parallel_size": cfg.tensor_parallel_size,
+                "max_num_batched_tokens": budget, "max_num_seqs": cfg.max_samples_per_batch,
+                "max_model_len": max(remaining.values()) + 1,
+                "gpu_memory_utilization": cfg.vllm_gpu_memory_utilization if on_gpu else 0.25,
+                "enforce_eager": True, "trust_remote_code": cfg.trust_remote_code,
+                "chunk_samples": _CHUNK_SAMPLES, "write_timeout_seconds": 300,
+            }
+            job_file = work / f"job-{os.getpid()}.json"
+            job_file.write_text(json.dumps(job, indent=2))
+            log_file = work / f"vllm-{os.getpid()}-{attempt}.log"
+            log.info("vLLM backend: starting %s -m eagle3.extract.vllm_worker (attempt %d, %d samples, budget %s "
+                     "padded tokens per step, tensor_parallel_size %d); log %s", python, attempt, len(remaining),
+                     f"{budget:,}", cfg.tensor_parallel_size, log_file)
+            rc = _run_driver(python, job_file, log_file, store_dir, remaining, stats, progress, lock_fds,
+                             cfg.vllm_timeout_seconds)
+            stats["model_loads"] += 1
+            if rc == 0 and not remaining:
+                break
+            tail = _tail(log_file)
+            if rc != 0 and any(m in tail.lower() for m in _OOM_MARKERS):
+                if budget <= cfg.min_tokens_per_batch:
+                    raise OutOfMemoryAfterRetries(
+                        f"vLLM ran out of memory at the token-budget floor ({budget:,} tokens per step, "
+                        f"min_tokens_per_batch); log {log_file}:\n{tail}")
+                old, budget = budget, max(budget // 2, cfg.min_tokens_per_batch)
+                stats["token_budget_history"].append(budget)
+                log.warning("vLLM ran out of memory: token budget halved %s -> %s tokens per step; restarting "
+                            "(vLLM must reload the model) for the %d samples left", f"{old:,}", f"{budget:,}",
+                            len(remaining))
+                continue
+            raise VllmExtractionError(f"vLLM extraction driver exited with code {rc} and {len(remaining)} samples "
+                                      f"not written; log {log_file}, last lines:\n{tail}")
+    finally:
+        for f in work.glob(f"*-{os.getpid()}.*"):
+            if f.suffix != ".log":
+                f.unlink(missing_ok=True)
+    stats["extract_end"] = time.monotonic()
+
+
+def _run_driver(python: str, job_file: Path, log_file: Path, store_dir: Path, remaining: dict[int, int],
+                stats: dict[str, Any], progress, lock_fds: list[int],
+                timeout_seconds: float) -> int:
+    tail = _ManifestTail(store_dir / MANIFEST)
+    with open(log_file, "wb") as out:
+        proc = subprocess.Popen(
+            [python, "-m", "eagle3.extract.vllm_worker", str(job_file)],
+            stdout=out, stderr=subprocess.STDOUT, env=vllm_subprocess_env(), start_new_session=True,
+            pass_fds=tuple(lock_fds), preexec_fn=_pdeathsig,  # noqa: PLW1509 - only a prctl call
+        )
+        deadline = time.monotonic() + timeout_seconds if timeout_seconds > 0 else float("inf")
+        try:
+            while True:
+                rc = proc.poll()
+                for e in tail.new_entries():
+                    if remaining.pop(int(e["index"]), None) is not None:
+                        if not stats["samples_written"]:
+                            progress.restart()  # first sample: the model is loaded, start the tok/s clock
+                        stats["samples_written"] += 1
+                        stats["bytes_written"] += int(e.get("bytes", 0))
+                        progress.update(1, int(e["tokens"]))
+                if rc is not None:
+                    return rc
+                if time.monotonic() > deadline:
+                    raise VllmExtractionError(f"vLLM extraction exceeded vllm_timeout_seconds={timeout_seconds:.0f}; "
+                                              f"killed its process group; log {log_file}")
+                time.sleep(0.5)
+        finally:
+            kill_group(proc)
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

@@ -1,0 +1,234 @@
+"""Extraction with the transformers backend on real tiny checkpoints: exact states, batching, OOM recovery, resume,
+bad input. Layer ids in vLLM's convention (id k = residual stream entering layer k = HF hidden_states[k])."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from eagle3.extract import hf_backend
+from eagle3.extract.run import ExtractError, extract_hidden_states
+from eagle3.extract.store import MANIFEST, HiddenStateStore, StoreError
+from eagle3.gpu import OutOfMemoryAfterRetries, is_oom_error
+from eagle3.verifier import VerifierError, load_verifier_head
+
+
+def make_dataset(path: Path, lengths: list[int], vocab: int, seed: int = 0) -> Path:
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, vocab, (n,), generator=g).to(torch.int32).tolist() for n in lengths]
+    mask = [[int(j >= n // 3) for j in range(n)] for n in lengths]
+    ds = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": mask},
+                                    features=datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
+                                                                "loss_mask": datasets.Sequence(datasets.Value("int8"))}))
+    ds.save_to_disk(str(path))
+    return path
+
+
+LENGTHS = [37, 5, 64, 12, 50, 3, 29, 41, 8, 60]
+
+
+def _cfg(verifier: Path, tmp_path: Path, **kw) -> dict:
+    base = {"verifier": str(verifier), "store_dtype": "float32", "max_tokens_per_batch": 256, "min_tokens_per_batch": 16,
+            "lock_dir": str(tmp_path / "locks"), "log_every_seconds": 0, "log_every_samples": 0}
+    return {**base, **kw}
+
+
+def _reference_model(verifier: Path) -> torch.nn.Module:
+    """The verifier built independently of the extraction loader (nested configs: weights loaded by hand)."""
+    cfg = json.loads((verifier / "config.json").read_text())
+    if "text_config" not in cfg:
+        return AutoModelForCausalLM.from_pretrained(str(verifier), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg["text_config"]), dtype=torch.float32)
+    state = {}
+    for shard in sorted(verifier.glob("*.safetensors")):
+        state.update({k.removeprefix("language_model."): v for k, v in load_file(str(shard)).items()})
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def _check_exact(verifier: Path, store_dir: Path, aux_ids: list[int], samples: list[int]) -> None:
+    store = HiddenStateStore(store_dir)
+    ref = _reference_model(verifier)
+    head = load_verifier_head(verifier, with_embedding=False)
+    h = store.hidden_size
+    assert store.aux_layer_ids == aux_ids
+    for i in samples:
+        t = store.load(i)
+        with torch.no_grad():
+            out = ref(t["input_ids"][None], output_hidden_states=True)
+        # teacher logits rebuilt from the stored final (pre-norm) state = the verifier's own logits
+        torch.testing.assert_close(head.logits(t["final_hidden_state"]), out.logits[0].float(), atol=1e-4, rtol=0)
+        for j, k in enumerate(aux_ids):  # aux states = HF output_hidden_states[k] (vLLM id k)
+            torch.testing.assert_close(t["aux_hidden_states"][:, j * h : (j + 1) * h], out.hidden_states[k][0],
+                                       atol=1e-5, rtol=0)
+
+
+def test_tiny_llama_states_and_teacher_logits_exact(tiny_llama_verifier, tmp_path):
+    ds = make_dataset(tmp_path / "ds", LENGTHS, 8192)
+    r = extract_hidden_states(_cfg(tiny_llama_verifier, tmp_path, aux_layer_ids=[0, 2, 3]), ds, tmp_path / "store")
+    assert r.samples_written == len(LENGTHS) and r.tokens_written == sum(LENGTHS) and r.model_loads == 1
+    store = HiddenStateStore(tmp_path / "store")
+    assert store.verify()["samples"] == len(LENGTHS)
+    t = store.load(3)  # padding dropped, ids / mask carried through
+    assert t["input_ids"].shape == (12,) and t["loss_mask"].tolist() == [int(j >= 4) for j in range(12)]
+    _check_exact(tiny_llama_verifier, tmp_path / "store", [0, 2, 3], [0, 2, 5, 9])
+
+
+def test_kimi_like_nested_deepseek_v3_exact(kimi_like_target, tmp_path):
+    ds = make_dataset(tmp_path / "ds", [20, 7, 33, 16], 1024)
+    r = extract_hidden_states(_cfg(kimi_like_target, tmp_path), ds, tmp_path / "store")  # default aux ids
+    assert r.samples_written == 4
+    # vLLM's default (2, L//2, L-3) for L = 6 is (2, 3, 3); vLLM keeps sorted(set(...)) = [2, 3]
+    _check_exact(kimi_like_target, tmp_path / "store", [2, 3], [0, 1, 2, 3])
+
+
+def test_bundled_verifier_teacher_logits_exact(bundled_verifier, tmp_path):
+    ds = make_dataset(tmp_path / "ds", [40, 17, 64], 8192, seed=3)
+    extract_hidden_states(_cfg(bundled_verifier, tmp_path), ds, tmp_path / "store")
+    _check_exact(bundled_verifier, tmp_path / "store", HiddenStateStore(tmp_path / "store").aux_layer_ids, [0, 1, 2])
+
+
+def test_batching_invariance(tiny_llama_verifier, tmp_path):
+    ds = make_dataset(tmp_path / "ds", LENGTHS, 8192, seed=1)
+    extract_hidden_states(_cfg(tiny_llama_verifier, tmp_path, max_samples_per_batch=1), ds, tmp_path / "alone")
+    r = extract_hidden_states(_cfg(tiny_llama_verifier, tmp_path, max_tokens_per_batch=4096), ds, tmp_path / "mixed")
+    assert r.samples_written == len(LENGTHS)
+    alone, mixed = HiddenStateStore(tmp_path / "alone"), HiddenStateStore(tmp_path / "mixed")
+    for i in range(len(LENGTHS)):
+        a, b = alone.load(i), mixed.load(i)
+        for k in ("aux_hidden_states", "final_hidden_state"):
+            torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5)
+
+
+def _count_loads(monkeypatch) -> list[int]:
+    loads = []
+    real = hf_backend.load_hf_model
+
+    def counting(*a, **k):
+        loads.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(hf_backend, "load_hf_model", counting)
+    return loads
+
+
+def test_oom_at_several_batches_halves_budget_keeps_model(tiny_llama_verifier, tmp_path, monkeypatch, caplog):
+    ds = make_dataset(tmp_path / "ds", LENGTHS, 8192, seed=2)
+    loads = _count_loads(monkeypatch)
+    attempts: list[tuple[list[int], int]] = []  # (dataset indices, padded tokens) per forward attempt
+    failing = (0, 2, 4, 5)  # attempt 5 retries the batch that failed at attempt 4
+
+    def inject(attempt: int, indices: list[int], padded_tokens: int) -> None:
+        attempts.append((indices, padded_tokens))
+        if attempt in failing[:3]:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        if attempt == failing[3]:
+            torch.empty(1 << 60, dtype=torch.uint8)  # a real CPU allocator failure (RuntimeError)
+
+    caplog.set_level("WARNING", logger="eagle3.extract")
+    r = extract_hidden_states(_cfg(tiny_llama_verifier, tmp_path, max_tokens_per_batch=512), ds, tmp_path / "store",
+                              oom_injector=inject)
+    assert r.token_budget_history == [512, 256, 128, 64, 32]  # halved once per OOM
+    assert sum("token budget halved" in m for m in caplog.messages) == 4
+    assert len(loads) == 1 and r.model_loads == 1  # the model stayed loaded
+    for a in failing:  # the retry starts with the samples of the failed batch, under the halved budget
+        failed, retried = attempts[a][0], attempts[a + 1][0]
+        assert retried == failed[: len(retried)]
+    budget_after = {a: 512 >> (n + 1) for n, a in enumerate(failing)}
+    for a, (indices, padded) in enumerate(attempts):
+        budget = min([512] + [b for f, b in budget_after.items() if f < a])
+        assert padded <= budget or len(indices) == 1
+    lines = [json.loads(x) for x in (tmp_path / "store" / MANIFEST).read_text().splitlines()]
+    assert sorted(e["index"] for e in lines) == list(range(len(LENGTHS)))  # every sample exactly once
+    assert HiddenStateStore(tmp_path / "store").verify()["samples"] == len(LENGTHS)
+
+
+def test_unfittable_sample_skipped_or_fails_by_name(tiny_llama_verifier, tmp_path, monkeypatch):
+    ds = make_dataset(tmp_path / "ds", LENGTHS, 8192, seed=2)
+    loads = _count_loads(monkeypatch)
+
+    def always_oom_for_64(attempt: int, indices: list[int], padded_tokens: int) -> None:
+        if 2 in indices:  # sample 2 has 64 tokens
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+
+    r = extract_hidden_states(_cfg(tiny_llama_verifier, tmp_path, max_tokens_per_batch=256, min_tokens_per_batch=64),
+                              ds, tmp_path / "skip", oom_injector=always_oom_for_64)
+    assert r.samples_unfittable == [2] and r.samples_written == len(LENGTHS) - 1 and len(loads) == 1
+    assert r.token_budget_history == [256, 128, 64]
+    assert 2 not in HiddenStateStore(tmp_path / "skip")
+    with pytest.raises(OutOfMemoryAfterRetries, match=r"sample 2 \(64 tokens\)") as e:
+        extract_hidden_states(_cfg(tiny_llama_verifier, tmp_path, on_unfittable_sample="fail", min_tokens_per_batch=64),
+                              ds, tmp_path / "fail", oom_injector=always_oom_for_64)
+    assert not is_oom_error(e.value)  # the flow must not retry a sample that cannot fit
+
+
+def test_non_oom_errors_propagate(tiny_llama_verifier, tmp_path):
+    ds = make_dataset(tmp_path / "ds", [5, 6], 8192)
+
+    def boom(attempt, indices, tokens):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        extract_hidden_states(_cfg(tiny_llama_verifier, tmp_path), ds, tmp_path / "store", oom_injector=boom)
+
+
+def test_shards_resume_and_repair(tiny_llama_verifier, tmp_path, monkeypatch):
+    ds = make_dataset(tmp_path / "ds", LENGTHS, 8192, seed=4)
+    store_dir = tmp_path / "store"
+    r1 = extract_hidden_states(_cfg(tiny_llama_verifier, tmp_path, shard_end=4), ds, store_dir)
+    r2 = extract_hidden_states(_cfg(tiny_llama_verifier, tmp_path, shard_start=4), ds, store_dir)
+    assert (r1.samples_written, r2.samples_written) == (4, 6) and r2.store_samples == len(LENGTHS)
+    store = HiddenStateStore(store_dir)
+    before = store.load(7)["final_hidden_state"].clone()
+    # damage: a flipped byte in sample 7, a duplicate line, a leftover temp file of an interrupted write
+    raw = bytearray(store.file(7).read_bytes())
+    raw[-3] ^= 0x55
+    store.file(7).write_bytes(bytes(raw))
+    manifest = store_dir / MANIFEST
+    manifest.write_text(manifest.read_text() + manifest.read_text().splitlines()[0] + "\n")
+    tmp = store.file(1).parent / ".sample_000000001.safetensors.999.tmp"
+    tmp.write_bytes(b"partial")
+    loads = _count_loads(monkeypatch)
+    r3 = extract_hidden_states(_cfg(tiny_llama_verifier, tmp_path), ds, store_dir)
+    assert r3.samples_written == 1 and r3.samples_resumed == len(LENGTHS) - 1 and len(loads) == 1
+    assert r3.manifest_entries_dropped == 1 and r3.temp_files_removed == 1 and not tmp.exists()
+    indices = [json.loads(x)["index"] for x in manifest.read_text().splitlines()]
+    assert sorted(indices) == list(range(len(LENGTHS)))
+    store = HiddenStateStore(store_dir)
+    store.verify()
+    torch.testing.assert_close(store.load(7)["final_hidden_state"], before)
+    loads.clear()
+    r4 = extract_hidden_states(_cfg(tiny_llama_verifier, tmp_path), ds, store_dir)  # all done: no model load
+    assert r4.samples_written == 0 and not loads and r4.manifest_sha256 == r3.manifest_sha256
+
+
+def test_rerun_with_other_settings_refuses_store(tiny_llama_verifier, tmp_path):
+    ds = make_dataset(tmp_path / "ds", [5, 6], 8192)
+    extract_hidden_states(_cfg(tiny_llama_verifier, tmp_path), ds, tmp_path / "store")
+    with pytest.raises(StoreError, match="aux_layer_ids: store has"):
+        extract_hidden_states(_cfg(tiny_llama_verifier, tmp_path, aux_layer_ids=[0, 1]), ds, tmp_path / "store")
+
+
+def test_bad_input_one_clear_error_each(tiny_llama_verifier, tmp_path):
+    ds = make_dataset(tmp_path / "ds", [5, 6], 8192)
+    with pytest.raises(VerifierError, match="nowhere"):
+        extract_hidden_states(_cfg(tmp_path / "nowhere", tmp_path), ds, tmp_path / "s1")
+    with pytest.raises(VerifierError, match=r"aux_layer_ids \[4\] out of range .* 4 layers"):
+        extract_hidden_states(_cfg(tiny_llama_verifier, tmp_path, aux_layer_ids=[1, 4]), ds, tmp_path / "s2")
+    with pytest.raises(VerifierError, match="strictly increasing"):
+        extract_hidden_states(_cfg(tiny_llama_verifier, tmp_path, aux_layer_ids=[2, 1]), ds, tmp_path / "s3")
+    no_ids = tmp_path / "no_ids"
+    datasets.Dataset.from_dict({"text": ["a", "b"], "loss_mask": [[1], [1]]}).save_to_disk(str(no_ids))
+    with pytest.raises(ExtractError, match=r"lacks column\(s\) \['input_ids'\]"):
+        extract_hidden_states(_cfg(tiny_llama_verifier, tmp_path), no_ids, tmp_path / "s4")
+    big = make_dataset(tmp_path / "big_ids", [5, 6], 9000, seed=11)
+    with pytest.raises(ExtractError, match="token ids outside 0..8191"):
+        extract_hidden_states(_cfg(tiny_llama_verifier, tmp_path), big, tmp_path / "s5")
+    for d in ("s1", "s2", "s3", "s4", "s5"):  # nothing half-written
+        assert not (tmp_path / d / MANIFEST).exists()
