@@ -88,6 +88,10 @@ class ValidateConfig(BaseModel):
     min_mean_acceptance_length: float | None = Field(
         None, ge=1, description="Fail below this vLLM mean acceptance length (tokens per verifier step); None: no "
         "threshold.")
+    compare_untrained: bool = Field(
+        False, description="Also run an UNTRAINED draft (same config, vocab mapping and init as the trainer's step 0) "
+        "in the same vLLM process and report its acceptance beside the trained one's; fails the verdict when "
+        "training gained nothing. Costs one more engine start (a verifier load: ~22 min for Kimi-K2.5).")
     offline_reference: bool = Field(
         False, description="Also run the offline reference (transformers verifier + our draft, eagle3.specdec) on "
         "the same prompts and compare. Needs the verifier to fit in this process: tiny verifiers only.")
@@ -459,7 +463,8 @@ def validate_checkpoint(draft_dir: str | os.PathLike, verifier_path: str | os.Pa
 # ----------------------------------------------------------------------------- 2. vLLM check
 
 
-def _resolve(p: str | os.PathLike) -> Path:
+def resolve_path(p: str | os.PathLike) -> Path:
+    """Relative paths that do not exist from the working directory are taken relative to the checkout."""
     p = Path(p)
     return p if p.is_absolute() or p.exists() else REPO_ROOT / p
 
@@ -477,7 +482,7 @@ def run_vllm_check(cfg: ValidateConfig, verifier_path: str | os.PathLike, draft_
     out.unlink(missing_ok=True)
     args = {
         "verifier": str(Path(verifier_path).resolve()), "drafts": [str(Path(d).resolve()) for d in draft_dirs],
-        "prompts_path": str(_resolve(prompts_path).resolve()), "num_prompts": cfg.num_prompts,
+        "prompts_path": str(resolve_path(prompts_path).resolve()), "num_prompts": cfg.num_prompts,
         "max_new_tokens": cfg.max_new_tokens, "num_speculative_tokens": cfg.num_speculative_tokens,
         "tensor_parallel_size": cfg.tensor_parallel_size, "dtype": cfg.dtype, "max_model_len": cfg.max_model_len,
         "gpu_memory_utilization": cfg.gpu_memory_utilization, "enforce_eager": cfg.enforce_eager,
@@ -489,6 +494,22 @@ def run_vllm_check(cfg: ValidateConfig, verifier_path: str | os.PathLike, draft_
     log.info("[validate] vLLM check: %s", " ".join(cmd))
     run_subprocess(cmd, env=env, timeout_s=cfg.timeout_s, log_prefix="[vllm] ", cwd=REPO_ROOT).check()
     return json.loads(out.read_text())
+
+
+def make_untrained_draft(draft_dir: str | os.PathLike, verifier_path: str | os.PathLike,
+                         out: str | os.PathLike, seed: int = 0) -> Path:
+    """The draft before training: ``draft_dir``'s config and d2t/t2d, ``Eagle3Draft.from_verifier`` init (the
+    trainer's step 0: verifier embedding, lm_head rows and final norm, seeded random layer), saved as a checkpoint."""
+    from safetensors.torch import load_file
+
+    from eagle3.checkpoint import read_config, save_draft
+    from eagle3.model import Eagle3Draft
+
+    cfg = read_config(draft_dir)
+    tables = load_file(str(Path(draft_dir) / WEIGHTS))
+    draft = Eagle3Draft.from_verifier(cfg, verifier_path, tables["d2t"], tables["t2d"], seed=seed)
+    return save_draft(out, cfg, draft.state_dict(), {"verifier": str(verifier_path), "untrained": True,
+                                                      "trained_from": str(draft_dir), "seed": seed})
 
 
 # ----------------------------------------------------------------------------- 3 + 4. verdict and report
@@ -506,7 +527,7 @@ def validate_draft(cfg: ValidateConfig, draft_dir: str | os.PathLike, verifier_p
     ``structural``, ``vllm`` (acceptance, lossless, timings), ``offline`` and ``paths``.
     """
     out_dir = Path(out_dir)
-    prompts_path = _resolve(prompts_path or cfg.prompts_path)
+    prompts_path = resolve_path(prompts_path or cfg.prompts_path)
     reasons: list[str] = []
     report: dict[str, Any] = {"format": "eagle3-validation/1", "draft_dir": str(draft_dir),
                               "verifier_path": str(verifier_path), "prompts_path": str(prompts_path),
@@ -526,8 +547,11 @@ def validate_draft(cfg: ValidateConfig, draft_dir: str | os.PathLike, verifier_p
     elif not structural.ok:
         report["vllm"] = {"skipped": "the checkpoint failed the structural check"}
     else:
+        drafts = [draft_dir]
+        if cfg.compare_untrained:
+            drafts.append(make_untrained_draft(draft_dir, verifier_path, out_dir / "untrained-draft"))
         try:
-            result = run_vllm_check(cfg, verifier_path, [draft_dir], prompts_path, out_dir / "vllm")
+            result = run_vllm_check(cfg, verifier_path, drafts, prompts_path, out_dir / "vllm")
         except Exception as e:  # noqa: BLE001 - a draft vLLM cannot load is a verdict, not a crash
             reasons.append(f"[vllm_failed] {e}")
             report["vllm"] = {"error": str(e)}
@@ -542,6 +566,16 @@ def validate_draft(cfg: ValidateConfig, draft_dir: str | os.PathLike, verifier_p
                 "num_prompts": len(result["prompt_token_ids"]), "samples": [
                     {"prompt": i, "text": t[:300]} for i, t in enumerate(d["texts"][:3])],
             }
+            if cfg.compare_untrained:
+                u = result["drafts"][1]
+                report["vllm"]["untrained"] = {"draft_dir": str(drafts[1]), "acceptance": u["acceptance"],
+                                               "lossless": u["lossless"]}
+                gain = vllm_acc["mean_acceptance_length"] - u["acceptance"]["mean_acceptance_length"]
+                report["vllm"]["gain_over_untrained"] = gain
+                if not gain > 0:
+                    reasons.append(f"[no_gain] trained draft's mean acceptance length "
+                                   f"{vllm_acc['mean_acceptance_length']:.3f} is not above the untrained draft's "
+                                   f"{u['acceptance']['mean_acceptance_length']:.3f}")
             if vllm_acc["num_drafts"] == 0:
                 reasons.append("[no_drafts] vLLM ran no speculative steps (no spec-decode metrics)")
             if cfg.require_lossless and not d["lossless"]:
@@ -602,30 +636,31 @@ def render_markdown(report: dict[str, Any]) -> str:
     v = report.get("vllm", {})
     acc = v.get("acceptance")
     off = (report.get("offline") or {}).get("acceptance")
+    unt = (v.get("untrained") or {}).get("acceptance")
     if acc:
         st = report["settings"]
+        cols = [("vLLM", acc)] + ([("vLLM, untrained draft", unt)] if unt else []) + (
+            [("offline reference", off)] if off else [])
         lines += ["## Speculative decoding", "",
                   (f"{v.get('num_prompts')} prompts, {st['max_new_tokens']} new tokens max, "
-                  f"{st['num_speculative_tokens']} speculative tokens, temperature 0, vLLM {v.get('vllm_version')}."),
-                  "", "| figure | vLLM |" + (" offline reference |" if off else ""),
-                  "|---|---|" + ("---|" if off else "")]
+                   f"{st['num_speculative_tokens']} speculative tokens, temperature 0, vLLM {v.get('vllm_version')}."),
+                  "", "| figure | " + " | ".join(c for c, _ in cols) + " |", "|---|" + "---|" * len(cols)]
 
-        def row(name: str, a: Any, b: Any = None) -> str:
-            return f"| {name} | {_fmt(a)} |" + (f" {_fmt(b)} |" if off else "")
+        def row(name: str, get) -> str:
+            return f"| {name} | " + " | ".join(_fmt(get(a)) for _, a in cols) + " |"
 
-        lines.append(row("mean acceptance length", acc["mean_acceptance_length"],
-                         off and off["mean_acceptance_length"]))
-        for i, r in enumerate(acc["per_position_acceptance"]):
-            lines.append(row(f"acceptance at position {i + 1}", r, off and off["per_position_acceptance"][i]))
-        lines.append(row("drafts (verifier steps)", acc["num_drafts"], off and off["num_drafts"]))
-        lines.append(row("accepted / draft tokens", f"{acc['num_accepted_tokens']} / {acc['num_draft_tokens']}",
-                         off and f"{off['num_accepted_tokens']} / {off['num_draft_tokens']}"))
-        lines.append(row("lossless (identical to plain greedy)", "yes" if v.get("lossless") else "NO"))
+        lines.append(row("mean acceptance length", lambda a: a["mean_acceptance_length"]))
+        for i in range(len(acc["per_position_acceptance"])):
+            lines.append(row(f"acceptance at position {i + 1}", lambda a, i=i: a["per_position_acceptance"][i]))
+        lines.append(row("drafts (verifier steps)", lambda a: a["num_drafts"]))
+        lines.append(row("accepted / draft tokens",
+                         lambda a: f"{a['num_accepted_tokens']} / {a['num_draft_tokens']}"))
+        lossless = "yes" if v.get("lossless") else "NO"
+        lines += ["", f"- lossless (speculative output identical to plain greedy): {lossless}"]
         if off:
-            lines.append(row("offline vs vLLM (relative)", "", report["offline"].get("relative_difference")))
-        lines.append("")
-        if report.get("paths", {}).get("acceptance_png") or acc:
-            lines += ["![per-position acceptance](acceptance.png)", ""]
+            lines.append(f"- offline vs vLLM mean acceptance length: "
+                         f"{_fmt(report['offline'].get('relative_difference'))} relative difference")
+        lines += ["", "![per-position acceptance](acceptance.png)", ""]
     elif v:
         lines += ["## Speculative decoding", "", f"not run: {v.get('skipped') or v.get('error', '')[:2000]}", ""]
     return "\n".join(lines)

@@ -16,6 +16,7 @@ from eagle3.checkpoint import save_draft
 from eagle3.model import DraftConfig, Eagle3Draft
 from eagle3.validate import ValidateConfig, render_markdown, validate_checkpoint, write_report
 from eagle3.verifier import VerifierSpec
+from tasks.validate import validate_checkpoint_task, validate_draft_task
 
 DRAFT_VOCAB = 512
 AUX = [1, 2, 3]  # vLLM convention: residual stream entering layers 1, 2, 3 of the 4-layer tiny verifier
@@ -305,7 +306,9 @@ def _sample_report(verdict: str = "pass") -> dict:
             "prompts_path": "/x/eval.jsonl", "settings": ValidateConfig().model_dump(mode="json"),
             "structural": {"ok": True, "failures": [], "warnings": [],
                            "summary": {"aux_layer_ids": [1, 2, 3], "draft_vocab_size": 512}},
-            "vllm": {"acceptance": acc, "lossless": True, "num_prompts": 8, "vllm_version": "0.32.0"},
+            "vllm": {"acceptance": acc, "lossless": True, "num_prompts": 8, "vllm_version": "0.32.0",
+                     "untrained": {"acceptance": {**acc, "mean_acceptance_length": 1.1,
+                                                  "per_position_acceptance": [0.1, 0.0, 0.0]}}},
             "offline": {"acceptance": {**acc, "mean_acceptance_length": 2.3}, "relative_difference": 0.05/2.25},
             "verdict": verdict, "reasons": [] if verdict == "pass" else ["[not_lossless] outputs differ"]}
 
@@ -317,8 +320,9 @@ def test_write_report_files(tmp_path):
     back = json.loads(Path(paths["report_json"]).read_text())
     assert back["paths"] == paths and back["verdict"] == "pass"
     md = Path(paths["report_md"]).read_text()
-    assert "| mean acceptance length | 2.250 | 2.300 |" in md
-    assert "| acceptance at position 3 | 0.250 | 0.250 |" in md
+    assert "| figure | vLLM | vLLM, untrained draft | offline reference |" in md
+    assert "| mean acceptance length | 2.250 | 1.100 | 2.300 |" in md
+    assert "| acceptance at position 3 | 0.250 | 0.000 | 0.250 |" in md
     assert "**PASS**" in md and "acceptance.png" in md
 
 
@@ -339,3 +343,30 @@ def test_validate_config_rejects_unknown_and_bad_fields():
         ValidateConfig(speculative_tokens=3)
     with pytest.raises(ValueError):
         ValidateConfig(min_mean_acceptance_length=0.5)  # below 1 token per step: not a length
+
+
+def test_task_structural_only_pass_and_fail(good, tiny_llama_verifier, tmp_path):
+    cfg = ValidateConfig(run_vllm=False)
+    m = validate_checkpoint_task.fn(cfg, str(good), str(tiny_llama_verifier), None, str(tmp_path / "ok"))
+    json.dumps(m)
+    assert m["verdict"] == "pass" and m["structural_ok"] and m["failure_codes"] == []
+    assert m["mean_acceptance_length"] is None and len(m["weights_sha256"]) == 64
+    assert set(m["paths"]) == {"report_json", "report_md"} and all(Path(p).is_file() for p in m["paths"].values())
+    assert json.loads(Path(m["paths"]["report_json"]).read_text())["vllm"] == {"skipped": "run_vllm is false"}
+
+    broken = rewrite(good, tmp_path / "broken", tensors=_drop("d2t"))
+    m = validate_checkpoint_task.fn(ValidateConfig(), str(broken), str(tiny_llama_verifier), None,
+                                    str(tmp_path / "bad"))
+    assert m["verdict"] == "fail" and m["failure_codes"] == ["d2t_missing"]
+    assert m["reasons"][0].startswith("[d2t_missing]")
+    report = json.loads(Path(m["paths"]["report_json"]).read_text())
+    assert report["vllm"]["skipped"] == "the checkpoint failed the structural check"  # vLLM never started
+    assert "`d2t_missing`" in Path(m["paths"]["report_md"]).read_text()
+
+
+def test_pipeline_stage_task_writes_into_its_stage_folder(good, tiny_llama_verifier, tmp_path):
+    inputs = {"verifier_path": str(tiny_llama_verifier), "fingerprint": "f" * 64}
+    ckpt = {"best_dir": str(good), "fingerprint": "c" * 64}
+    m = validate_draft_task.fn(ValidateConfig(run_vllm=False), inputs, ckpt, str(tmp_path / "run"))
+    assert Path(m["out_dir"]).parent == tmp_path / "run" and Path(m["out_dir"]).name.startswith("validate-draft-")
+    assert m["verdict"] == "pass" and Path(m["paths"]["report_md"]).is_file()

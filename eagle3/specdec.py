@@ -1,0 +1,155 @@
+"""Offline reference for the vLLM check: greedy chain speculative decoding with a transformers verifier + our draft.
+
+Pipeline position: train -> checkpoint -> validate (**this module**, beside the vLLM run of eagle3.vllm_check).
+
+It computes the figures vLLM reports (mean acceptance length, per-position acceptance; see
+``eagle3.vllm_check.AcceptanceStats``) on the same prompt token ids, without vLLM. When the two agree, training and
+serving compute the same draft: same aux layers (vLLM convention, id k = HF ``hidden_states[k]``), same pairing of
+tokens, hidden states and positions, same pre-norm hidden fed forward.
+
+One round, mirroring vLLM 0.32 ``SpecDecodeBaseProposer.propose`` + greedy rejection sampling. The verifier has
+read x_0 .. x_{n-1} (its aux states a_0 .. a_{n-1}, a_i computed from x_0 .. x_i) and produced x_n::
+
+    draft entries (one causal pass, see eagle3.model):
+        position : 0        1        ..  n-1           n        ..  n-2+K
+        token    : x_1      x_2      ..  x_n           d_1      ..  d_{K-1}
+        hidden   : fc(a_0)  fc(a_1)  ..  fc(a_{n-1})   g_0      ..  g_{K-2}
+        the output at position n-1+k gives d_{k+1} (argmax over the draft vocab, mapped with d2t) and its
+        PRE-norm output g_k
+    verifier pass over x_0 .. x_n, d_1 .. d_K:  t_j = argmax of its logits at position n+j  (j = 0 .. K)
+    accept d_1 .. d_a while d_j == t_{j-1}; the round emits d_1 .. d_a and the verifier's token t_a
+
+The same verifier pass also gives the aux states of every emitted token for the next round, so a round costs one
+verifier forward and K draft forwards (no KV cache: both recompute the whole sequence; exact, and cheap at the
+sizes this runs on). As in vLLM's scheduler, a round's accepted drafts are all counted even when the request then
+stops early (a stop token or max_new_tokens inside the round).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eagle3.model import Eagle3Draft
+from eagle3.vllm_check import (
+    AcceptanceStats,
+    load_tokenizer,
+    prompt_token_ids,
+    read_prompt_messages,
+    stop_token_ids,
+)
+
+log = logging.getLogger("eagle3")
+
+
+def load_verifier(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
+    """A transformers causal LM in eval mode (Llama-style models that AutoModelForCausalLM loads)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+
+
+@torch.no_grad()
+def verifier_pass(verifier, ids: list[int], aux_layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (greedy next-token ids [T], aux states [T, n_aux * H]) for the token ids ``ids`` [T].
+
+    aux_layer_ids in vLLM's convention: id k = residual stream entering layer k = HF hidden_states[k]; concatenated
+    in ascending layer order, as vLLM collects them.
+    """
+    out = verifier(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+    hs = out.hidden_states  # L + 1 tensors of [1, T, H]; index 0 = embedding output
+    aux = torch.cat([hs[k][0] for k in sorted(aux_layer_ids)], dim=-1)  # [T, n_aux * H]
+    return out.logits[0].argmax(-1), aux.float()
+
+
+@torch.no_grad()
+def propose(draft: Eagle3Draft, context_ids: list[int], context_aux: torch.Tensor, k: int) -> list[int]:
+    """K greedy draft tokens (target-vocab ids) after ``context_ids`` = x_0 .. x_n.
+
+    context_aux: [n, n_aux * H] verifier aux states of x_0 .. x_{n-1}.
+    """
+    n = len(context_ids) - 1
+    assert context_aux.shape[0] == n, (context_aux.shape, n)
+    tokens = torch.tensor(context_ids[1:])  # [n]: x_1 .. x_n (shifted left by one)
+    hidden = draft.project_aux(context_aux)  # [n, H]: fc(a_0) .. fc(a_{n-1})
+    drafts: list[int] = []
+    for step in range(k):
+        t = tokens.shape[0]
+        prenorm, logits = draft(tokens[None], hidden[None], torch.arange(t)[None])  # [1, t, H], [1, t, D]
+        d = int(draft.draft_to_target(logits[0, -1].argmax()))
+        drafts.append(d)
+        if step + 1 < k:  # the next entry: token d at the next position, hidden = this step's pre-norm output
+            tokens = torch.cat([tokens, torch.tensor([d])])
+            hidden = torch.cat([hidden, prenorm[0, -1:]], dim=0)  # [t + 1, H]
+    return drafts
+
+
+@torch.no_grad()
+def speculative_generate(verifier, draft: Eagle3Draft, prompt: list[int], num_speculative_tokens: int,
+                         max_new_tokens: int, stop_ids: set[int] | list[int],
+                         stats: AcceptanceStats | None = None) -> tuple[list[int], AcceptanceStats]:
+    """Greedy chain speculative decoding of one prompt (token ids). Returns (generated ids, counters).
+
+    The generated ids equal plain greedy decoding of the verifier (the loop is lossless by construction).
+    """
+    k = num_speculative_tokens
+    stats = stats or AcceptanceStats(k)
+    stop_ids = set(stop_ids)
+    aux_ids = list(draft.config.aux_layer_ids)
+    greedy, aux = verifier_pass(verifier, prompt, aux_ids)
+    seq = list(prompt) + [int(greedy[-1])]  # x_0 .. x_n
+    out = seq[len(prompt):]
+    while len(out) < max_new_tokens and out[-1] not in stop_ids:
+        n = len(seq) - 1
+        drafts = propose(draft, seq, aux[:n], k)
+        greedy, aux = verifier_pass(verifier, seq + drafts, aux_ids)
+        targets = greedy[n:].tolist()  # [K + 1]: t_0 .. t_K
+        accepted = 0
+        while accepted < k and drafts[accepted] == targets[accepted]:
+            accepted += 1
+        stats.observe(k, accepted)
+        new = drafts[:accepted] + [targets[accepted]]
+        seq += new
+        out += new
+    for i, tok in enumerate(out):  # cut after the first stop token, then at the budget (vLLM's output rules)
+        if tok in stop_ids:
+            out = out[: i + 1]
+            break
+    return out[:max_new_tokens], stats
+
+
+@dataclass
+class OfflineResult:
+    acceptance: AcceptanceStats
+    token_ids: list[list[int]]  # generated ids per prompt
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return {"acceptance": self.acceptance.to_dict(), "token_ids": self.token_ids, "seconds": self.seconds}
+
+
+def offline_acceptance(verifier_path: str | os.PathLike, draft_dir: str | os.PathLike,
+                       prompts_path: str | os.PathLike, num_prompts: int, num_speculative_tokens: int,
+                       max_new_tokens: int, trust_remote_code: bool = False) -> OfflineResult:
+    """The vLLM check's figures computed offline, on the same prompts (chat template applied, same token ids)."""
+    t0 = time.monotonic()
+    tokenizer = load_tokenizer(verifier_path, trust_remote_code)
+    prompts = prompt_token_ids(tokenizer, read_prompt_messages(prompts_path, num_prompts))
+    stops = set(stop_token_ids(verifier_path, tokenizer))
+    verifier = load_verifier(verifier_path)
+    draft = Eagle3Draft.from_checkpoint(Path(draft_dir), verifier_path=verifier_path).eval()
+    stats = AcceptanceStats(num_speculative_tokens)
+    outputs = []
+    for prompt in prompts:
+        ids, _ = speculative_generate(verifier, draft, prompt, num_speculative_tokens, max_new_tokens, stops, stats)
+        outputs.append(ids)
+    seconds = time.monotonic() - t0
+    log.info("[validate] offline reference: mean acceptance length %.3f, per position %s, %d drafts, %.1f s",
+             stats.mean_acceptance_length, [round(r, 3) for r in stats.per_position_acceptance], stats.num_drafts,
+             seconds)
+    return OfflineResult(stats, outputs, seconds)
