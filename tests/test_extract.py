@@ -232,3 +232,21 @@ def test_bad_input_one_clear_error_each(tiny_llama_verifier, tmp_path):
         extract_hidden_states(_cfg(tiny_llama_verifier, tmp_path), big, tmp_path / "s5")
     for d in ("s1", "s2", "s3", "s4", "s5"):  # nothing half-written
         assert not (tmp_path / d / MANIFEST).exists()
+
+
+def test_task_manifest_and_shards_share_one_store(tiny_llama_verifier, tmp_path):
+    from eagle3.extract.config import ExtractConfig
+    from eagle3.io import sha256_file
+    from tasks.common import manifest_ok
+    from tasks.extract import extract_hidden_states_task
+
+    ds = make_dataset(tmp_path / "ds", LENGTHS, 8192, seed=6)
+    inputs, data = {"fingerprint": "i" * 64}, {"fingerprint": "d" * 64, "dataset_path": str(ds)}
+    first = ExtractConfig.model_validate(_cfg(tiny_llama_verifier, tmp_path, shard_end=4))
+    second = first.model_copy(update={"shard_start": 4, "shard_end": None, "max_tokens_per_batch": 128})
+    a = extract_hidden_states_task.fn(first, inputs, data, str(tmp_path / "run"))
+    b = extract_hidden_states_task.fn(second, inputs, data, str(tmp_path / "run"))
+    assert a["store_path"] == b["store_path"] and manifest_ok(b) and len(json.dumps(b)) < 20_000
+    assert (a["samples_written"], b["samples_written"], b["store_samples"]) == (4, 6, len(LENGTHS))
+    assert b["tokens"] == sum(LENGTHS) and b["manifest_sha256"] == sha256_file(b["paths"]["manifest"])
+    assert b["fingerprint"] != a["fingerprint"] and b["bytes_on_disk"] > 0 and b["tokens_per_second"] > 0

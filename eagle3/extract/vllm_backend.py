@@ -195,7 +195,7 @@ def _run_driver(python: str, job_file: Path, log_file: Path, store_dir: Path, re
                     return rc
                 if time.monotonic() > deadline:
                     raise VllmExtractionError(f"vLLM extraction exceeded vllm_timeout_seconds={timeout_seconds:.0f}; "
-                                              f"killed its process group; log {log_file}")
+                                              f"killed its process group {proc.pid}; log {log_file}")
                 time.sleep(0.5)
         finally:
             kill_group(proc)

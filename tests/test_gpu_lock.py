@@ -1,0 +1,140 @@
+"""The host GPU lock (fcntl.flock), OOM classification and the CUDA preflight."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3.gpu import (
+    GpuBusyError,
+    OutOfMemoryAfterRetries,
+    cuda_preflight,
+    device_lock,
+    is_oom_error,
+    lock_names,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _holder(lock_dir: Path, names: list[str], hold_seconds: float = 60.0) -> subprocess.Popen:
+    """A separate process that takes the lock, says so on stdout, and sleeps."""
+    code = textwrap.dedent(f"""
+        import sys, time
+        from eagle3.gpu import device_lock
+        with device_lock({names!r}, {str(lock_dir)!r}):
+            print("locked", flush=True)
+            time.sleep({hold_seconds})
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code, "--holder-marker"], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "locked"
+    return p
+
+
+def test_busy_lock_fails_fast_naming_holder(tmp_path):
+    p = _holder(tmp_path, ["gpu-0"])
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(GpuBusyError) as e, device_lock(["gpu-0"], tmp_path, wait_seconds=0):
+            pass
+        assert time.monotonic() - t0 < 5
+        msg = str(e.value)
+        assert f"PID {p.pid}" in msg and "--holder-marker" in msg and "started 20" in msg and "gpu-0" in msg
+        with device_lock(["gpu-1"], tmp_path):  # another GPU is free
+            pass
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_waits_until_holder_releases(tmp_path):
+    p = _holder(tmp_path, ["host-cpu"], hold_seconds=1.0)
+    t0 = time.monotonic()
+    try:
+        with device_lock(["host-cpu"], tmp_path, wait_seconds=60) as fds:
+            assert len(fds) == 1
+            assert time.monotonic() - t0 > 0.5  # we got it only once the holder let go
+    finally:
+        p.wait()
+
+
+def test_wait_timeout_names_holder(tmp_path):
+    p = _holder(tmp_path, ["gpu-3"])
+    try:
+        with pytest.raises(GpuBusyError, match=rf"after waiting 1 s: .* PID {p.pid}"), \
+                device_lock(["gpu-3"], tmp_path, wait_seconds=1.0):
+            pass
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_lock_of_killed_process_is_free_immediately(tmp_path):
+    p = _holder(tmp_path, ["gpu-0", "gpu-1"])
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    with device_lock(["gpu-1", "gpu-0"], tmp_path, wait_seconds=0):
+        info = (tmp_path / "gpu-0.lock").read_text()
+        assert f'"pid": {os.getpid()}' in info  # the new holder wrote its details
+
+
+def test_extraction_refuses_held_lock_before_loading(tiny_llama_verifier, tmp_path, monkeypatch):
+    from test_extract import make_dataset
+
+    from eagle3.extract import hf_backend
+    from eagle3.extract.run import extract_hidden_states
+
+    ds = make_dataset(tmp_path / "ds", [5, 9], 8192)
+    loads = []
+    monkeypatch.setattr(hf_backend, "load_hf_model", lambda *a, **k: loads.append(1))
+    p = _holder(tmp_path / "locks", ["host-cpu"])
+    try:
+        with pytest.raises(GpuBusyError, match=f"PID {p.pid}"):
+            extract_hidden_states({"verifier": str(tiny_llama_verifier), "lock_dir": str(tmp_path / "locks"),
+                                   "device": "cpu"}, ds, tmp_path / "store")
+        assert not loads
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_lock_names_per_gpu_or_host(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    assert lock_names("cuda:1") == ["gpu-6"]
+    assert lock_names(None, {"model.layers.0": "cuda:0", "lm_head": "cuda:1"}) == ["gpu-4", "gpu-6"]
+    assert lock_names("cpu") == ["host-cpu"]
+
+
+def test_is_oom_error_classification():
+    try:
+        torch.empty(1 << 60, dtype=torch.uint8)  # a real CPU allocator failure
+    except RuntimeError as e:
+        assert is_oom_error(e)
+    assert is_oom_error(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"))
+    assert is_oom_error(MemoryError())
+    assert not is_oom_error(RuntimeError("CUDA error: device-side assert triggered"))
+    assert not is_oom_error(ValueError("out of memory"))  # bad input, whatever its text
+    assert not is_oom_error(OutOfMemoryAfterRetries("sample 3 does not fit"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_preflight_gpu_reports_and_refuses_busy_gpu():
+    report = cuda_preflight([0], min_free_fraction=0.0)
+    free, total = report[0]
+    assert 0 < free <= total
+    hog = torch.empty(int(free * 0.6), dtype=torch.uint8, device="cuda:0")
+    try:
+        with pytest.raises(GpuBusyError, match="cuda:0 has .* GiB free"):
+            cuda_preflight([0], min_free_fraction=0.9)
+    finally:
+        del hog
+        torch.cuda.empty_cache()
