@@ -78,10 +78,12 @@ def versions() -> dict[str, str]:
 # ----------------------------------------------------------------------------- vLLM-ready draft folder
 
 
-def draft_tensors(draft: Eagle3Draft, dtype: torch.dtype, include_embedding: bool = False) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors, named as vLLM loads them (no ``model.`` prefix); floats cast to ``dtype``."""
+def draft_tensors(state: dict[str, torch.Tensor], dtype: torch.dtype,
+                  include_embedding: bool = False) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors from a draft state dict, named as vLLM loads them (no ``model.`` prefix); float
+    weights cast to ``dtype``, the d2t / t2d tables kept as they are."""
     out: dict[str, torch.Tensor] = {}
-    for name, t in draft.state_dict().items():
+    for name, t in state.items():
         if name in FROZEN and not include_embedding:
             continue
         t = t.detach().to("cpu")
@@ -89,12 +91,12 @@ def draft_tensors(draft: Eagle3Draft, dtype: torch.dtype, include_embedding: boo
     return out
 
 
-def save_draft(folder: str | os.PathLike, draft: Eagle3Draft, run_info: dict[str, Any],
+def save_draft(folder: str | os.PathLike, cfg: DraftConfig, state: dict[str, torch.Tensor], run_info: dict[str, Any],
                include_embedding: bool = False) -> Path:
-    """Write a vLLM-ready folder atomically; weights in ``draft.config.torch_dtype``. Returns the folder."""
+    """Write a vLLM-ready folder atomically from ``cfg`` and a draft state dict (``Eagle3Draft.state_dict()``);
+    weights in ``cfg.torch_dtype``. ``run_info`` goes to eagle3_run.json with versions and the git revision."""
     folder = Path(folder)
-    cfg = draft.config
-    tensors = draft_tensors(draft, torch_dtype(cfg.torch_dtype), include_embedding)
+    tensors = draft_tensors(state, torch_dtype(cfg.torch_dtype), include_embedding)
     info = {**run_info, "versions": versions(), "git_revision": git_revision(),
             "embedding_in_checkpoint": include_embedding}
     with atomic_path(folder) as tmp:
