@@ -34,8 +34,9 @@ from safetensors import safe_open
 
 from eagle3.envs import REPO_ROOT, vllm_python, vllm_subprocess_env
 from eagle3.io import atomic_write_json, atomic_write_text, sha256_file
-from eagle3.subproc import run_subprocess
+from eagle3.subproc import SubprocessFailed, run_subprocess
 from eagle3.verifier import VerifierError, VerifierSpec
+from eagle3.vllm_check import read_prompt_messages
 
 log = logging.getLogger("eagle3")
 
@@ -547,12 +548,15 @@ def validate_draft(cfg: ValidateConfig, draft_dir: str | os.PathLike, verifier_p
     elif not structural.ok:
         report["vllm"] = {"skipped": "the checkpoint failed the structural check"}
     else:
+        # bad settings are errors, not verdicts: no vLLM interpreter, an unusable prompts file
+        vllm_python(cfg.vllm_python)
+        read_prompt_messages(prompts_path, cfg.num_prompts)
         drafts = [draft_dir]
         if cfg.compare_untrained:
             drafts.append(make_untrained_draft(draft_dir, verifier_path, out_dir / "untrained-draft"))
         try:
             result = run_vllm_check(cfg, verifier_path, drafts, prompts_path, out_dir / "vllm")
-        except Exception as e:  # noqa: BLE001 - a draft vLLM cannot load is a verdict, not a crash
+        except SubprocessFailed as e:  # a draft vLLM cannot load (or run in time) is a verdict, not a crash
             reasons.append(f"[vllm_failed] {e}")
             report["vllm"] = {"error": str(e)}
         else:

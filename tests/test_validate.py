@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -370,3 +371,16 @@ def test_pipeline_stage_task_writes_into_its_stage_folder(good, tiny_llama_verif
     m = validate_draft_task.fn(ValidateConfig(run_vllm=False), inputs, ckpt, str(tmp_path / "run"))
     assert Path(m["out_dir"]).parent == tmp_path / "run" and Path(m["out_dir"]).name.startswith("validate-draft-")
     assert m["verdict"] == "pass" and Path(m["paths"]["report_md"]).is_file()
+
+
+def test_bad_settings_raise_before_any_vllm_start(good, tiny_llama_verifier, tmp_path):
+    from eagle3.validate import validate_draft
+    from eagle3.vllm_check import PromptError
+
+    with pytest.raises(FileNotFoundError, match="vLLM interpreter not found"):
+        validate_draft(ValidateConfig(vllm_python=str(tmp_path / "no-python")), good, tiny_llama_verifier, None,
+                       tmp_path / "a")
+    short = tmp_path / "one.jsonl"
+    short.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(PromptError, match="holds 1 conversations, 8 prompts"):
+        validate_draft(ValidateConfig(vllm_python=sys.executable), good, tiny_llama_verifier, short, tmp_path / "b")
