@@ -1,7 +1,7 @@
 """The pipeline's configuration: one section per stage (each stage's own pydantic model), composed here.
 
 Prefect renders this model as the flow-run form in the UI; every field carries a description with units. Presets
-(``deployments/presets/<name>.yaml``) are partial dicts deep-merged over the defaults: ``tiny`` (the bundled verifier,
+(``definitions.presets`` in prefect.yaml, also the deployments' parameters) are partial dicts deep-merged over the defaults: ``tiny`` (the bundled verifier,
 runs on a laptop) and ``kimi-k2.5`` (the original production run's choices).
 
 Shared values are set once at the top (``verifier_path``, ``max_seq_len``) and copied into the stage sections that
@@ -25,7 +25,7 @@ from eagle3.train import TrainConfig
 from eagle3.validate import ValidateConfig
 from eagle3.vocab import VocabConfig
 
-PRESETS_DIR = REPO_ROOT / "deployments" / "presets"
+PREFECT_YAML = REPO_ROOT / "prefect.yaml"  # presets live in its `definitions.presets`: one source of truth
 
 
 class DataSection(PrepareConfig):
@@ -152,15 +152,19 @@ def deep_merge(base: dict, override: dict) -> dict:
     return out
 
 
+def _presets() -> dict[str, dict]:
+    return yaml.safe_load(PREFECT_YAML.read_text())["definitions"]["presets"]
+
+
 def preset_names() -> list[str]:
-    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+    return sorted(_presets())
 
 
 def load_preset_dict(name: str) -> dict:
-    path = PRESETS_DIR / f"{name}.yaml"
-    if not path.is_file():
-        raise ValueError(f"unknown preset {name!r}: expected {path} (known: {', '.join(preset_names())})")
-    return yaml.safe_load(path.read_text()) or {}
+    presets = _presets()
+    if name not in presets:
+        raise ValueError(f"unknown preset {name!r} (known: {', '.join(sorted(presets))}; see {PREFECT_YAML})")
+    return copy.deepcopy(presets[name])
 
 
 def load_config(preset: str = "tiny", overrides: dict[str, Any] | None = None) -> PipelineConfig:

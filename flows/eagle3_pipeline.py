@@ -16,14 +16,14 @@ import logging
 import sys
 
 from prefect import flow
-from tasks.extract import extract_hidden_states_task
-from tasks.train import train_draft_task
-from tasks.validate import validate_draft_task
 
 from eagle3.config import PipelineConfig, load_config, parse_set, preset_names
 from tasks.capacity import plan_capacity_task
 from tasks.common import describe_inputs, result_storage_block, run_stage
+from tasks.extract import extract_hidden_states_task
 from tasks.prepare import prepare_data
+from tasks.train import train_draft_task
+from tasks.validate import validate_draft_task
 from tasks.vocab import build_vocab_task
 
 # the flow-run form's defaults: the tiny preset (checkout-relative paths, so the default is portable)
@@ -58,28 +58,33 @@ def eagle3_pipeline(config: PipelineConfig = DEFAULT_CONFIG) -> dict:
                      vocab=vocab, run_dir=config.run_dir)
     report = run_stage(s["validate-draft"], cfg=config.validate_config, inputs=inputs, checkpoint=ckpt,
                        run_dir=config.run_dir)
-    return {"run_dir": config.run_dir, "checkpoint": ckpt["best_dir"], "report": report["paths"]["report_md"],
-            "verdict": report["verdict"], "mean_acceptance_length": report.get("mean_acceptance_length")}
+    return {"run_dir": config.run_dir, "checkpoint": ckpt["best_dir"], "report": report["paths"].get("report_md"),
+            "verdict": report["verdict"], "mean_acceptance_length": report.get("mean_acceptance_length"),
+            "untrained_mean_acceptance_length": report.get("untrained_mean_acceptance_length")}
 
 
-@flow(name="eagle3-extract", flow_run_name="{config.run_name}-extract-{config.extract.shard_start}")
-def eagle3_extract(config: PipelineConfig = DEFAULT_CONFIG) -> dict:
-    """Prepare + plan + extract only: one shard (extract.shard_start/shard_end, sample indices) per GPU host."""
+@flow(name="eagle3-extract", flow_run_name="{config.run_name}-extract-{shard_start}")
+def eagle3_extract(config: PipelineConfig = DEFAULT_CONFIG, shard_start: int = 0, shard_end: int | None = None) -> dict:
+    """Prepare + plan + extract only, for the dataset's samples [shard_start, shard_end) (sample indices; None = to
+    the end). Several GPU hosts each take a shard through their own work queue; all shards fill one store."""
     s = _stages(config)
     inputs, data, plan = _front(config, s)
-    return run_stage(s["extract-hidden-states"], cfg=config.extract_config(), host=config.host, inputs=inputs,
-                     data=data, plan=plan, run_dir=config.run_dir)
+    extract = config.extract_config().model_copy(update={"shard_start": shard_start, "shard_end": shard_end})
+    return run_stage(s["extract-hidden-states"], cfg=extract, host=config.host, inputs=inputs, data=data, plan=plan,
+                     run_dir=config.run_dir)
 
 
 @flow(name="eagle3-train-validate", flow_run_name="{config.run_name}-train")
 def eagle3_train_validate(config: PipelineConfig = DEFAULT_CONFIG) -> dict:
-    """Vocab + train + validate over the store the extraction flow wrote (same config -> same cached manifests)."""
+    """Vocab + train + validate over the store that extraction (shards) filled. The same stages as the whole
+    pipeline: prepare and plan are cache hits, and the extract stage only verifies the finished store (and fills any
+    gap a failed shard left), so training never starts on a partial store."""
     return eagle3_pipeline.fn(config)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="tiny", choices=preset_names(), help="deployments/presets/<name>.yaml")
+    ap.add_argument("--preset", default="tiny", choices=preset_names(), help="definitions.presets in prefect.yaml")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a setting, e.g. --set train.epochs=2 (value parsed as YAML); repeatable")
     args = ap.parse_args(argv)
