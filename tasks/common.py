@@ -62,12 +62,19 @@ def stage_dir(run_dir: str, stage: str, inputs: dict[str, Any], folder_ignores: 
 
 
 def result_storage_block(location: str):
-    """Result storage for cached manifests: a local folder, or an fsspec URL (s3://..., gs://..., memory://...)."""
+    """Result storage for cached manifests: a local folder, or an fsspec URL (s3://..., gs://..., memory://...).
+
+    Prefect wants task result storage saved server-side: the block is saved under a name derived from the location.
+    """
     from prefect.filesystems import LocalFileSystem, RemoteFileSystem
 
     if "://" in location and not location.startswith("file://"):
-        return RemoteFileSystem(basepath=location)
-    return LocalFileSystem(basepath=str(Path(location.removeprefix("file://")).resolve()))
+        block = RemoteFileSystem(basepath=location)
+    else:
+        location = str(Path(location.removeprefix("file://")).resolve())
+        block = LocalFileSystem(basepath=location)
+    block.save(f"eagle3-results-{hashlib.sha256(location.encode()).hexdigest()[:12]}", overwrite=True)
+    return block
 
 
 def run_stage(stage_task, **params) -> dict:
