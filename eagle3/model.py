@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import nn
 
 from eagle3.verifier import VerifierSpec, load_verifier_head
@@ -73,7 +73,7 @@ class DraftArchitecture(BaseModel):
     num_key_value_heads: int | None = Field(
         None, gt=0, description="Key/value heads (None: the verifier's num_key_value_heads, else = query heads).")
     head_dim: int | None = Field(
-        None, gt=0, description="Per-head width in units (None: verifier head_dim, else v_head_dim (MLA), else "
+        None, gt=0, description="Per-head width in units (None: verifier head_dim; v_head_dim for MLA verifiers; else "
         "hidden / heads).")
     rope_theta: float | None = Field(
         None, gt=0, description="RoPE base (None: the verifier's rope_theta, else 10000). Default RoPE only.")
@@ -136,14 +136,18 @@ class DraftConfig(BaseModel):
         # an explicit head count without a kv count means plain multi-head attention
         kv = arch.num_key_value_heads or (heads if arch.num_attention_heads
                                           else int(text.get("num_key_value_heads") or heads))
-        head_dim = arch.head_dim or int(text.get("head_dim") or text.get("v_head_dim") or 0) or (
+        # MLA verifiers (DeepSeek-V3 / Kimi) call the RoPE part `head_dim`; the draft is plain attention and takes
+        # the value head width (Kimi-K2: 128, as the public AQ-MedAI draft)
+        mla = "kv_lora_rank" in text
+        head_dim = arch.head_dim or int(text.get("v_head_dim" if mla else "head_dim") or 0) or (
             spec.hidden_size // heads)
         rope = text.get("rope_parameters") or {}
         theta = arch.rope_theta or float(text.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         inter = arch.intermediate_size or int(text.get("intermediate_size") or 0)
         if not inter:
             raise DraftConfigError(f"verifier {spec.path} has no intermediate_size: set intermediate_size")
-        return cls(
+        return cls._make(
+            f"draft config for {spec.path}",
             hidden_size=spec.hidden_size, target_hidden_size=spec.hidden_size, intermediate_size=inter,
             num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, vocab_size=spec.vocab_size,
             draft_vocab_size=draft_vocab_size, aux_layer_ids=[int(k) for k in aux_layer_ids],
@@ -151,6 +155,16 @@ class DraftConfig(BaseModel):
             max_position_embeddings=arch.max_position_embeddings or int(text.get("max_position_embeddings", 2048)),
             norm_before_residual=arch.norm_before_residual, torch_dtype=torch_dtype or spec.dtype,
         )
+
+    @classmethod
+    def _make(cls, where: str, **fields: Any) -> DraftConfig:
+        """Construct, turning pydantic's validation errors into one DraftConfigError naming the fields."""
+        try:
+            return cls(**fields)
+        except ValidationError as e:
+            msgs = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg'].removeprefix('Value error, ')}"
+                             for err in e.errors())
+            raise DraftConfigError(f"{where}: {msgs}") from None
 
     def to_vllm_config(self) -> dict[str, Any]:
         """Flat config.json for vLLM (AQ-MedAI Kimi-K2 layout). Aux layer ids (vLLM convention) appear at the top
@@ -202,7 +216,8 @@ class DraftConfig(BaseModel):
             raise DraftConfigError(f"{where}: rope_type {rope['rope_type']!r}: only 'default' is supported")
         heads = int(cfg["num_attention_heads"])
         try:
-            return cls(
+            return cls._make(
+                where,
                 hidden_size=cfg["hidden_size"], target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]),
                 intermediate_size=cfg["intermediate_size"], num_attention_heads=heads,
                 num_key_value_heads=cfg.get("num_key_value_heads", heads),

@@ -295,7 +295,7 @@ class TrainingTimeTest(nn.Module):
                 t_arg = t_logp.argmax(-1)  # [B, T]
                 t_ent = -(t_logp.exp() * t_logp).sum(-1)  # [B, T] entropy of the teacher
             mask = context_mask(batch.seq_ids)  # [B, 1, T, T]
-            hidden = self.draft.project_aux(batch.aux.to(self.draft.fc.weight.dtype))  # [B, T, H]
+            hidden = self.draft.project_aux(batch.aux.float())  # [B, T, H]; bf16 under autocast on cuda
             return self._unroll(batch, hidden, mask, t_logp, t_arg, t_ent, norm)
 
     def _unroll(self, batch: Batch, hidden: torch.Tensor, mask: torch.Tensor, t_logp: torch.Tensor,

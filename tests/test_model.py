@@ -1,0 +1,180 @@
+"""The draft model: vLLM's Eagle3LlamaForCausalLM computation, config mapping, init from the verifier."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from eagle3.model import DraftArchitecture, DraftConfig, DraftConfigError, Eagle3Draft
+from eagle3.verifier import VerifierSpec, load_verifier_head
+
+
+def _mapping(vocab: int, draft_vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    kept = torch.sort(torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:draft_vocab]).values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[kept] = True
+    return kept - torch.arange(draft_vocab), t2d
+
+
+def _draft(verifier, draft_vocab: int = 300, norm_before_residual: bool = False, seed: int = 0) -> Eagle3Draft:
+    spec = VerifierSpec.from_path(verifier)
+    cfg = DraftConfig.build(spec, draft_vocab, [1, 2, 3], DraftArchitecture(norm_before_residual=norm_before_residual),
+                            torch_dtype="float32")
+    d2t, t2d = _mapping(spec.vocab_size, draft_vocab)
+    draft = Eagle3Draft.from_verifier(cfg, verifier, d2t, t2d, seed=seed)
+    with torch.no_grad():  # non-trivial norm weights so a swapped norm shows
+        for name, p in draft.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn_like(p))
+    return draft
+
+
+def _reference(draft: Eagle3Draft, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor):
+    """vLLM's llama_eagle3 layer written out token by token, with transformers' own RoPE and RMSNorm.
+
+    ids, pos: [T]; hidden: [T, H]; plain causal attention. -> (prenorm [T, H], logits [T, draft_vocab])
+    """
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    c = draft.config
+    layer = draft.midlayer
+
+    def rms(w, x):
+        n = LlamaRMSNorm(x.shape[-1], eps=c.rms_norm_eps)
+        n.weight.data.copy_(w)
+        return n(x)
+
+    rope = LlamaRotaryEmbedding(LlamaConfig(hidden_size=c.num_attention_heads * c.head_dim, head_dim=c.head_dim,
+                                            num_attention_heads=c.num_attention_heads,
+                                            rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+                                            max_position_embeddings=c.max_position_embeddings))
+    e = rms(layer.input_layernorm.weight, draft.embed_tokens.weight[ids])
+    h_n = rms(layer.hidden_norm.weight, hidden)
+    residual = h_n if c.norm_before_residual else hidden
+    x = torch.cat([e, h_n], -1)  # [T, 2H]
+    t = len(ids)
+    q = (x @ layer.self_attn.q_proj.weight.T).view(t, c.num_attention_heads, c.head_dim).transpose(0, 1)[None]
+    k = (x @ layer.self_attn.k_proj.weight.T).view(t, c.num_key_value_heads, c.head_dim).transpose(0, 1)[None]
+    v = (x @ layer.self_attn.v_proj.weight.T).view(t, c.num_key_value_heads, c.head_dim).transpose(0, 1)[None]
+    cos, sin = rope(x[None], pos[None])
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    q, k, v = q[0], k[0], v[0]  # [heads, T, hd]
+    group = c.num_attention_heads // c.num_key_value_heads
+    out = torch.zeros(t, c.num_attention_heads, c.head_dim)
+    for i in range(t):
+        for hh in range(c.num_attention_heads):
+            kv = hh // group
+            scores = torch.stack([q[hh, i] @ k[kv, j] for j in range(i + 1)]) / math.sqrt(c.head_dim)
+            out[i, hh] = torch.softmax(scores, 0) @ v[kv, : i + 1]
+    attn = out.reshape(t, -1) @ layer.self_attn.o_proj.weight.T
+    residual = attn + residual
+    m = rms(layer.post_attention_layernorm.weight, residual)
+    mlp = layer.mlp
+    y = (torch.nn.functional.silu(m @ mlp.gate_proj.weight.T) * (m @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
+    prenorm = y + residual
+    return prenorm, rms(draft.norm.weight, prenorm) @ draft.lm_head.weight.T
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+@torch.no_grad()
+def test_forward_is_vllm_eagle3_layer(tiny_llama_verifier, norm_before_residual):
+    draft = _draft(tiny_llama_verifier, norm_before_residual=norm_before_residual)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 8192, (7,), generator=g)
+    hidden = torch.randn(7, draft.config.hidden_size, generator=g)
+    pos = torch.tensor([0, 1, 2, 3, 4, 5, 6]) + 3  # positions need not start at 0
+    pre, logits = draft(ids[None], hidden[None], pos[None])
+    ref_pre, ref_logits = _reference(draft, ids, hidden, pos)
+    torch.testing.assert_close(pre[0], ref_pre, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[0], ref_logits, atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_norm_before_residual_changes_the_output(tiny_llama_verifier):
+    a, b = _draft(tiny_llama_verifier), _draft(tiny_llama_verifier, norm_before_residual=True)
+    ids, hidden = torch.randint(0, 8192, (1, 5)), 5 * torch.randn(1, 5, a.config.hidden_size)
+    pos = torch.arange(5)[None]
+    assert not torch.allclose(a(ids, hidden, pos)[0], b(ids, hidden, pos)[0], atol=1e-3)
+
+
+@torch.no_grad()
+def test_init_from_verifier_and_frozen_embedding(tiny_llama_verifier):
+    draft = _draft(tiny_llama_verifier, draft_vocab=300)
+    fresh = Eagle3Draft.from_verifier(draft.config, tiny_llama_verifier, draft.d2t, draft.t2d)
+    draft_ids = torch.arange(300) + draft.d2t  # target ids of the draft vocab
+    head = load_verifier_head(tiny_llama_verifier, draft_ids)
+    assert torch.equal(fresh.lm_head.weight, head.lm_head) and torch.equal(fresh.norm.weight, head.norm_weight)
+    assert torch.equal(fresh.embed_tokens.weight, head.embed_tokens)
+    assert not fresh.embed_tokens.weight.requires_grad
+    # so the untrained draft's head is the verifier's head restricted to the draft vocab
+    h = torch.randn(4, fresh.config.hidden_size)
+    torch.testing.assert_close(fresh.lm_head(fresh.norm(h)), head.logits(h), atol=1e-5, rtol=1e-5)
+    # d2t is an offset table: draft id i -> target id i + d2t[i]
+    assert torch.equal(fresh.draft_to_target(torch.arange(300)), draft_ids)
+    assert bool(fresh.t2d[draft_ids].all()) and int(fresh.t2d.sum()) == 300
+    # the same seed gives the same trainable init
+    again = Eagle3Draft.from_verifier(draft.config, tiny_llama_verifier, draft.d2t, draft.t2d)
+    assert all(torch.equal(p, q) for p, q in zip(fresh.parameters(), again.parameters()))
+
+
+def test_parameter_names_are_the_checkpoint_contract(tiny_llama_verifier):
+    draft = _draft(tiny_llama_verifier)
+    h, n_aux, d = draft.config.hidden_size, 3, 300
+    c = draft.config
+    want = {
+        "fc.weight": (h, n_aux * h),
+        "midlayer.input_layernorm.weight": (h,), "midlayer.hidden_norm.weight": (h,),
+        "midlayer.self_attn.q_proj.weight": (c.num_attention_heads * c.head_dim, 2 * h),
+        "midlayer.self_attn.k_proj.weight": (c.num_key_value_heads * c.head_dim, 2 * h),
+        "midlayer.self_attn.v_proj.weight": (c.num_key_value_heads * c.head_dim, 2 * h),
+        "midlayer.self_attn.o_proj.weight": (h, c.num_attention_heads * c.head_dim),
+        "midlayer.post_attention_layernorm.weight": (h,),
+        "midlayer.mlp.gate_proj.weight": (c.intermediate_size, h), "midlayer.mlp.up_proj.weight": (c.intermediate_size, h),
+        "midlayer.mlp.down_proj.weight": (h, c.intermediate_size),
+        "norm.weight": (h,), "lm_head.weight": (d, h), "embed_tokens.weight": (8192, h), "d2t": (d,), "t2d": (8192,),
+    }
+    assert {k: tuple(v.shape) for k, v in draft.state_dict().items()} == want
+    assert draft.d2t.dtype == torch.int64 and draft.t2d.dtype == torch.bool
+
+
+def test_config_maps_onto_flat_vllm_config(tiny_llama_verifier):
+    cfg = _draft(tiny_llama_verifier).config
+    flat = cfg.to_vllm_config()
+    assert flat["architectures"] == ["LlamaForCausalLMEagle3"] and flat["num_hidden_layers"] == 1
+    assert flat["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert flat["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 2, 3], "use_aux_hidden_state": True}
+    assert flat["vocab_size"] == 8192 and flat["draft_vocab_size"] == 300 and flat["target_hidden_size"] == 64
+    assert DraftConfig.from_vllm_config(flat) == cfg
+    # transformers reads the same geometry from it (vLLM builds its hf_config with transformers)
+    from transformers import LlamaConfig
+
+    hf = LlamaConfig.from_dict(flat)
+    assert (hf.head_dim, hf.num_key_value_heads, hf.rope_parameters["rope_theta"]) == (16, 2, cfg.rope_theta)
+
+
+def test_config_from_kimi_like_nested_verifier(kimi_like_target):
+    spec = VerifierSpec.from_path(kimi_like_target)
+    cfg = DraftConfig.build(spec, 100, [1, 3, 4])
+    # MLA verifier: heads from the verifier, head_dim = v_head_dim, Llama-style draft layer
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.vocab_size) == (64, 4, 16, 1024)
+    d2t, t2d = _mapping(1024, 100)
+    draft = Eagle3Draft.from_verifier(cfg, kimi_like_target, d2t, t2d)
+    out = draft(torch.randint(0, 1024, (2, 6)), torch.randn(2, 6, 64), torch.arange(6).expand(2, 6))
+    assert out[1].shape == (2, 6, 100)
+
+
+def test_bad_draft_configs_name_the_field(tiny_llama_verifier):
+    spec = VerifierSpec.from_path(tiny_llama_verifier)
+    with pytest.raises(DraftConfigError, match="draft_vocab_size 9000 is larger than the target vocab_size 8192"):
+        DraftConfig.build(spec, 9000, [1, 2, 3])
+    with pytest.raises(DraftConfigError, match="num_key_value_heads"):
+        DraftConfig.build(spec, 100, [1, 2, 3], DraftArchitecture(num_attention_heads=4, num_key_value_heads=3))
+    flat = DraftConfig.build(spec, 100, [1, 2, 3]).to_vllm_config()
+    with pytest.raises(DraftConfigError, match="norm_before_fc"):
+        DraftConfig.from_vllm_config({**flat, "norm_before_fc": True})
+    with pytest.raises(DraftConfigError, match="eagle_aux_hidden_state_layer_ids"):
+        DraftConfig.from_vllm_config({k: v for k, v in flat.items() if k not in ("eagle_config",
+                                                                             "eagle_aux_hidden_state_layer_ids")})

@@ -1,0 +1,225 @@
+"""Training-time test on handcrafted tensors: index shifts, masks, metrics, the serving chain, frozen parts, packing.
+
+No store and no training run here (tests/test_train.py has those).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.train import (
+    Batch,
+    TrainConfig,
+    TrainingTimeTest,
+    context_mask,
+    lr_at,
+    pack_samples,
+    packing_efficiency,
+    split_indices,
+    summarize,
+    ttt_counted,
+)
+from eagle3.verifier import VerifierSpec
+
+H, D, K = 8, 50, 4
+
+
+def _batch(layout: list[list[int]], t: int, seed: int = 0, token_base: int = 1000, h: int = H) -> Batch:
+    """Packed rows from sample lengths per row; token id = token_base + row position (so a fake draft can tell
+    which row position its input token comes from); loss mask 1 except every 4th token."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(layout)
+    seq = torch.full((b, t), -1)
+    pos = torch.zeros(b, t, dtype=torch.int64)
+    for r, lens in enumerate(layout):
+        start = 0
+        for s, n in enumerate(lens):
+            seq[r, start:start + n] = s
+            pos[r, start:start + n] = torch.arange(n)
+            start += n
+    mask = (torch.arange(t) % 4 != 3).expand(b, t) & (seq >= 0)
+    counted = torch.stack([ttt_counted(mask, seq, k).sum() for k in range(K)])
+    return Batch(input_ids=token_base + torch.arange(t).expand(b, t).clone(), aux=torch.randn(b, t, 3 * h, generator=g),
+                 final=torch.randn(b, t, h, generator=g), loss_mask=mask, seq_ids=seq, position_ids=pos,
+                 tokens=int((seq >= 0).sum()), counted=counted)
+
+
+def _ttt(draft: nn.Module, seed: int = 0, h: int = H) -> TrainingTimeTest:
+    g = torch.Generator().manual_seed(seed)
+    return TrainingTimeTest(draft, 1 + 0.1 * torch.randn(h, generator=g), torch.randn(D, h, generator=g), 1e-6, K, 0.8)
+
+
+class OracleDraft(nn.Module):
+    """Returns, for the entry whose input token sits at row position j, the teacher logits of position j (f_j: the
+    verifier's distribution of the token after x_j); ``shift`` = -1 returns f_{j-1} instead (an off-by-one)."""
+
+    def __init__(self, batch: Batch, teacher: torch.Tensor, shift: int = 0):
+        super().__init__()
+        self.batch, self.teacher, self.shift = batch, teacher, shift  # teacher: [B, T, D]
+        self.w = nn.Parameter(torch.zeros(()))
+        self.steps = 0
+
+    def project_aux(self, aux: torch.Tensor) -> torch.Tensor:
+        return aux[..., :H] * 0 + self.w
+
+    def step(self, ids, hidden, pos, mask, cache):
+        t = ids.shape[1]
+        j = (ids - 1000).clamp(0, t - 1)  # row position of the input token
+        # the position the draft sees is its entry's position + k, i.e. (position of x_j) - 1
+        real = (ids >= 1000) & (self.batch.seq_ids.gather(1, j) == self.batch.seq_ids) & (self.batch.seq_ids >= 0)
+        assert torch.equal(pos[real], self.batch.position_ids.gather(1, j)[real] - 1)
+        self.steps += 1
+        src = (j + self.shift).clamp(0, t - 1)
+        logits = self.teacher.gather(1, src[..., None].expand(-1, -1, self.teacher.shape[-1]))
+        return hidden, logits + self.w
+
+
+def test_counted_entries_by_hand():
+    # one row: sample 0 = positions 0..3, sample 1 = 4..6, padding at 7
+    seq = torch.tensor([[0, 0, 0, 0, 1, 1, 1, -1]])
+    mask = torch.tensor([[0, 1, 1, 1, 0, 1, 1, 0]], dtype=torch.bool)
+    # step k, entry i counts iff the guessed token x_{i+2+k} is in i's sample and loss-masked
+    assert ttt_counted(mask, seq, 0).int().tolist() == [[1, 1, 0, 0, 1, 0, 0, 0]]
+    assert ttt_counted(mask, seq, 1).int().tolist() == [[1, 0, 0, 0, 0, 0, 0, 0]]
+    assert ttt_counted(mask, seq, 2).int().tolist() == [[0, 0, 0, 0, 0, 0, 0, 0]]
+    m = context_mask(seq)[0, 0].int()
+    assert m[2].tolist() == [1, 1, 1, 0, 0, 0, 0, 0] and m[5].tolist() == [0, 0, 0, 0, 1, 1, 0, 0]
+    assert m[7].tolist() == [0, 0, 0, 0, 0, 0, 0, 1]  # padding never sees a sample
+
+
+def test_teacher_oracle_scores_one_at_every_step_and_off_by_one_does_not():
+    batch = _batch([[6, 5], [12]], t=12)
+    ttt = _ttt(nn.Identity())
+    teacher = ttt.teacher_logits(batch.final)  # [B, T, D]
+    norm = batch.counted.float()
+    for shift, perfect in ((0, True), (-1, False)):
+        ttt.draft = OracleDraft(batch, teacher, shift)
+        loss, stats = ttt(batch, norm)
+        s = summarize(stats, ttt.weights)
+        assert ttt.draft.steps == K
+        assert s["counted_per_step"] == batch.counted.tolist() and min(s["counted_per_step"]) > 0
+        if perfect:
+            assert s["acc_per_step"] == [1.0] * K and s["cond_acc_per_step"] == [1.0] * K
+            assert s["sim_accept_len"] == 1.0 + K == s["chain_accept_len"]
+            assert abs(float(loss.detach())) < 1e-5 and max(abs(v) for v in s["loss_per_step"]) < 1e-5
+        else:
+            assert max(s["acc_per_step"]) < 0.5 and float(loss.detach()) > 0.1
+    loss.backward()  # the loss reaches the draft's parameters
+    assert ttt.draft.w.grad is not None
+
+
+def test_metrics_from_counts():
+    # per step: kl_sum, counted, correct, alive, alive_correct
+    stats = torch.tensor([[2.0, 10, 8, 10, 8], [3.0, 10, 6, 8, 5], [0.0, 0, 0, 0, 0]], dtype=torch.float64)
+    s = summarize(stats, [1.0, 0.8, 0.64])
+    assert s["acc_per_step"] == [0.8, 0.6, 0.0] and s["cond_acc_per_step"] == [0.8, 0.625, 0.0]
+    assert s["sim_accept_len"] == pytest.approx(1 + 0.8 + 0.8 * 0.6)
+    assert s["chain_accept_len"] == pytest.approx(1 + 0.8 + 0.5)
+    assert s["loss"] == pytest.approx(0.2 + 0.8 * 0.3)
+
+
+def _real_draft(tiny_llama_verifier, seed: int = 0) -> Eagle3Draft:
+    spec = VerifierSpec.from_path(tiny_llama_verifier)
+    cfg = DraftConfig.build(spec, D, [1, 2, 3], torch_dtype="float32")
+    kept = torch.arange(0, 2 * D, 2)
+    t2d = torch.zeros(spec.vocab_size, dtype=torch.bool)
+    t2d[kept] = True
+    draft = Eagle3Draft.from_verifier(cfg, tiny_llama_verifier, kept - torch.arange(D), t2d, seed=seed)
+    with torch.no_grad():  # larger hidden inputs so every part of the layer matters
+        draft.fc.weight.mul_(4)
+    return draft
+
+
+class Recorder(nn.Module):
+    def __init__(self, draft: Eagle3Draft):
+        super().__init__()
+        self.draft, self.steps = draft, []
+
+    def project_aux(self, aux):
+        return self.draft.project_aux(aux)
+
+    def step(self, ids, hidden, pos, mask, cache):
+        pre, logits = self.draft.step(ids, hidden, pos, mask, cache)
+        self.steps.append((pre.detach(), logits.detach()))
+        return pre, logits
+
+
+@torch.no_grad()
+def test_ttt_step_k_is_the_serving_chain(tiny_llama_verifier):
+    """Entry i of TTT step k == a plain causal forward over vLLM's chain: context positions 0..i of i's sample
+    (tokens x_{o+1}..x_{i+1}, hidden fc(a)), then the draft steps 1..k (tokens x_{i+2}.., hidden = the previous
+    step's PRE-norm output at entry i), positions counted from the sample start."""
+    batch = _batch([[7, 6, 3], [16]], t=16, token_base=0, h=64)
+    batch.input_ids = torch.randint(0, 8192, batch.input_ids.shape, generator=torch.Generator().manual_seed(3))
+    draft = _real_draft(tiny_llama_verifier)
+    rec = Recorder(draft)
+    _ttt(rec, h=64)(batch, batch.counted.float().clamp(min=1))
+    checked = 0
+    for r, o, n in ((0, 0, 7), (0, 7, 6), (0, 13, 3), (1, 0, 16)):  # (row, sample start, sample length)
+        for i in range(o, o + n):
+            for k in range(K):
+                if i + 1 + k >= o + n:  # no input token left in the sample
+                    break
+                ids = torch.cat([batch.input_ids[r, o + 1:i + 2], batch.input_ids[r, i + 2:i + 2 + k]])
+                ctx = draft.project_aux(batch.aux[r, o:i + 1])
+                prev = [rec.steps[j][0][r, i] for j in range(k)]
+                hidden = torch.cat([ctx, *[p[None] for p in prev]]) if prev else ctx
+                pos = torch.arange(len(ids))
+                pre, logits = draft(ids[None], hidden[None], pos[None])
+                torch.testing.assert_close(logits[0, -1], rec.steps[k][1][r, i], atol=2e-5, rtol=1e-4)
+                torch.testing.assert_close(pre[0, -1], rec.steps[k][0][r, i], atol=2e-5, rtol=1e-4)
+                checked += 1
+    assert checked == sum(min(K, n - 1 - l) for n in (7, 6, 3, 16) for l in range(n) if n - 1 - l > 0)
+
+
+def test_embedding_and_verifier_head_stay_frozen(tiny_llama_verifier):
+    batch = _batch([[9, 7]], t=16, token_base=0, h=64)
+    draft = _real_draft(tiny_llama_verifier)
+    ttt = _ttt(draft, h=64)
+    embed, head, norm = draft.embed_tokens.weight.clone(), ttt.teacher_lm_head.clone(), ttt.teacher_norm.clone()
+    trainable = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-2)
+    loss, _ = ttt(batch, batch.counted.float().clamp(min=1))
+    loss.backward()
+    assert draft.embed_tokens.weight.grad is None
+    assert not ttt.teacher_lm_head.requires_grad and not ttt.teacher_norm.requires_grad
+    names = {n for n, p in draft.named_parameters() if p.requires_grad}
+    assert "embed_tokens.weight" not in names and len(names) == 13
+    assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in trainable)
+    opt.step()
+    assert torch.equal(draft.embed_tokens.weight, embed)
+    assert torch.equal(ttt.teacher_lm_head, head) and torch.equal(ttt.teacher_norm, norm)
+
+
+def test_packing_is_complete_bounded_and_dense():
+    g = torch.Generator().manual_seed(0)
+    lengths = {i: int(n) for i, n in enumerate(torch.randint(20, 600, (500,), generator=g))}
+    bins = pack_samples(lengths, 2048)
+    assert sorted(i for b in bins for i in b) == sorted(lengths)
+    assert all(sum(lengths[i] for i in b) <= 2048 for b in bins)
+    assert packing_efficiency(bins, lengths, 2048) > 0.97
+    assert pack_samples(lengths, 2048) == bins  # deterministic
+    assert pack_samples({0: 2048, 1: 2048, 2: 1}, 2048) == [[0], [1], [2]]
+
+
+def test_split_is_deterministic_disjoint_and_sized():
+    idx = list(range(0, 300, 3))
+    train, val = split_indices(idx, 0.05, seed=1)
+    assert (train, val) == split_indices(idx, 0.05, seed=1) and len(val) == 5
+    assert sorted(train + val) == idx and not set(train) & set(val)
+    assert split_indices(idx, 0.05, seed=2)[1] != val
+    assert split_indices([4, 9], 0.05, 0)[1] in ([4], [9]) and split_indices([4], 0.5, 0) == ([4], [])
+    assert split_indices(idx, 0.0, 0) == (idx, [])
+
+
+def test_lr_schedule_warmup_then_cosine():
+    cfg = TrainConfig(lr=1e-3, warmup_ratio=0.1, min_lr_ratio=0.1)
+    lrs = [lr_at(s, 100, cfg) for s in range(100)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in itertools.pairwise(lrs[9:])) and lrs[-1] == pytest.approx(1e-4, rel=0.01)
+    assert lr_at(50, 100, TrainConfig(lr=1e-3, warmup_ratio=0, schedule="constant")) == 1e-3
