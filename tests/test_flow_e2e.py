@@ -1,0 +1,136 @@
+"""End-to-end against real parts: `prefect server start` (SQLite) on loopback, the work pool and the GPU
+concurrency limit made by deployments/setup_prefect.sh, `prefect deploy` from prefect.yaml, a process worker,
+and `prefect deployment run ... --watch` on the bundled verifier with tiny settings. Then the artifacts are read
+back through the API, and a second run must hit the cache at every stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+TINY_E2E_OVERRIDES = {
+    "data": {"max_samples": 48},
+    "train": {"epochs": 1, "ttt_steps": 2},
+    "validate": {"num_prompts": 2, "max_new_tokens": 16},
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _run(cmd: list[str], env: dict, timeout: int = 900) -> subprocess.CompletedProcess:
+    out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory):
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = _free_port()
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "false",
+           "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_LOGGING_LEVEL": "INFO",
+           "EAGLE3_REPO_DIR": str(REPO)}
+    server = _start([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                    env, home / "server.log")
+    deadline = time.time() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if time.time() > deadline or server.poll() is not None:
+            _stop(server)
+            pytest.fail(f"prefect server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
+        time.sleep(1)
+    yield env, home
+    _stop(server)
+
+
+def test_deployment_run_end_to_end_then_fully_cached(prefect_server, tmp_path):
+    env, home = prefect_server
+    env = {**env, "PREFECT": str(BIN / "prefect")}
+    _run(["bash", "deployments/setup_prefect.sh", "e2e-pool", "e2e-gpus", "1"], env)
+    _run([str(BIN / "prefect"), "--no-prompt", "deploy", "--name", "tiny", "--pool", "e2e-pool"], env)
+    worker = _start([str(BIN / "prefect"), "worker", "start", "--pool", "e2e-pool", "--type", "process"],
+                    env, home / "worker.log")
+    try:
+        params = {"config": {"runs_dir": str(tmp_path / "runs"), "result_storage": str(tmp_path / "results"),
+                             "host": {"gpu_concurrency_limit": "e2e-gpus", "strict": True}, **TINY_E2E_OVERRIDES}}
+        runs = []
+        for _ in range(2):
+            out = _run([str(BIN / "prefect"), "deployment", "run", "eagle3-pipeline/tiny", "--params",
+                        json.dumps(params), "--watch", "--watch-timeout", "1500"], env, timeout=1600)
+            runs.append(out.stdout)
+    finally:
+        _stop(worker)
+    assert all("Completed" in r for r in runs), runs[-1][-3000:] + (home / "worker.log").read_text()[-5000:]
+
+    summary = asyncio.run(_inspect_runs(env))
+    first, second = summary
+    assert first["state"] == "COMPLETED" and second["state"] == "COMPLETED"
+    stages = {"prepare-data", "plan-capacity", "extract-hidden-states", "build-vocab", "train-draft", "validate-draft"}
+    assert stages <= set(first["task_states"]), first["task_states"]
+    assert all(first["task_states"][s] == "Completed" for s in stages), first["task_states"]
+    assert all(second["task_states"][s] == "Cached" for s in stages), second["task_states"]
+    for key in ("dataset-stats", "capacity-plan", "vocab-coverage", "extraction-progress", "training-curves",
+                "validation-acceptance"):
+        assert key in first["artifact_keys"], (key, first["artifact_keys"])
+
+
+async def _inspect_runs(env: dict) -> list[dict]:
+    os.environ["PREFECT_API_URL"] = env["PREFECT_API_URL"]
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, \
+        FlowRunFilterId
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    async with get_client() as client:
+        flow_runs = await client.read_flow_runs(sort=FlowRunSort.START_TIME_ASC)
+        result = []
+        for fr in flow_runs:
+            task_runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
+            states = {}
+            for tr in task_runs:
+                states[tr.name.rsplit("-", 1)[0]] = tr.state.name  # run names are "<task name>-<suffix>"
+            arts = await client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr.id])))
+            result.append({"state": fr.state.type.value, "task_states": states,
+                           "artifact_keys": sorted({a.key for a in arts if a.key})})
+        return result
