@@ -23,6 +23,7 @@ from eagle3.envs import REPO_ROOT
 from eagle3.extract.config import ExtractConfig
 from eagle3.train import TrainConfig
 from eagle3.validate import ValidateConfig
+from eagle3.verifier import VerifierSpec
 from eagle3.vocab import VocabConfig
 
 PREFECT_YAML = REPO_ROOT / "prefect.yaml"  # presets live in its `definitions.presets`: one source of truth
@@ -36,6 +37,11 @@ class DataSection(PrepareConfig):
         None, description="Tokenizer + chat template folder; None = the pipeline's verifier_path.")
     max_seq_len: int | None = Field(  # type: ignore[assignment]
         None, description="Set by the pipeline's max_seq_len (tokens); leave empty.")
+
+
+class CapacitySection(CapacityConfig):
+    store_dtype: str | None = Field(  # type: ignore[assignment]
+        None, description="Set from extract.store_dtype (the store is planned in the dtype it is written in).")
 
 
 class ExtractSection(ExtractConfig):
@@ -80,7 +86,8 @@ class PipelineConfig(BaseModel):
         2048, ge=16, description="Longest sample in tokens: longer ones are skipped by data prep (counted), and the "
         "trainer packs samples into sequences of this length.")
     data: DataSection = Field(description="Stage 1: chat datasets -> token ids + assistant-only loss masks.")
-    capacity: CapacityConfig = Field(default_factory=CapacityConfig, description="Disk and time plan before extraction.")
+    capacity: CapacitySection = Field(default_factory=CapacitySection,
+                                      description="Disk and time plan before extraction.")
     extract: ExtractSection = Field(default_factory=ExtractSection, description="Stage 2: verifier hidden states.")
     vocab: VocabConfig = Field(default_factory=VocabConfig, description="Stage 3: draft vocabulary (d2t / t2d).")
     train: TrainSection = Field(default_factory=TrainSection, description="Stage 4: the draft, training-time test.")
@@ -112,6 +119,11 @@ class PipelineConfig(BaseModel):
         d.update(sources=self.sources, tokenizer_path=resolve_path(self.data.tokenizer_path or self.verifier_path),
                  max_seq_len=self.max_seq_len)
         return PrepareConfig.model_validate(d)
+
+    def capacity_config(self) -> CapacityConfig:
+        store = self.extract.store_dtype
+        dtype = VerifierSpec.from_path(self.verifier).dtype if store == "model" else store
+        return CapacityConfig.model_validate({**self.capacity.model_dump(), "store_dtype": dtype})
 
     def extract_config(self) -> ExtractConfig:
         return ExtractConfig.model_validate({**self.extract.model_dump(), "verifier": self.verifier})

@@ -41,7 +41,7 @@ def _stages(config: PipelineConfig):
 def _front(config: PipelineConfig, s: dict) -> tuple[dict, dict, dict]:
     inputs = describe_inputs(config.verifier, config.sources)
     data = run_stage(s["prepare-data"], cfg=config.prepare_config(), inputs=inputs, run_dir=config.run_dir)
-    plan = run_stage(s["plan-capacity"], cfg=config.capacity, extract=config.extract_config(), inputs=inputs,
+    plan = run_stage(s["plan-capacity"], cfg=config.capacity_config(), extract=config.extract_config(), inputs=inputs,
                      data=data, run_dir=config.run_dir)
     return inputs, data, plan
 

@@ -76,7 +76,7 @@ def test_flow_caches_by_content(harness, tiny_llama_verifier, tmp_path):
     # outputs deleted behind the cache's back are recomputed, not returned stale
     shutil.rmtree(Path(result["run_dir"]))
     data.write_text(data.read_text())
-    rebuilt, result3 = run({"data": {"sources": [str(data)], "max_samples": 24}})
+    _, result3 = run({"data": {"sources": [str(data)], "max_samples": 24}})
     assert Path(result3["checkpoint"], "config.json").is_file()
 
 
@@ -119,3 +119,9 @@ def test_bad_pipeline_config_names_the_field():
         load_config("tiny", {"train": {"max_seq_len": 64}})
     with pytest.raises(ValueError, match="not_a_field"):
         load_config("tiny", {"extract": {"not_a_field": 1}})
+
+
+def test_config_reference_is_up_to_date():
+    from eagle3.config_reference import render
+
+    assert (REPO / "docs" / "CONFIG.md").read_text() == render(), "run: python -m eagle3.config_reference > docs/CONFIG.md"

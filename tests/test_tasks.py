@@ -29,7 +29,7 @@ def front(tiny_llama_verifier, tmp_path_factory):
 
 def test_manifests_are_small_json_with_existing_paths_and_fingerprints(front):
     cfg, inputs, data, run_dir = front
-    plan = plan_capacity_task.fn(cfg.capacity, cfg.extract_config(), inputs, data, run_dir)
+    plan = plan_capacity_task.fn(cfg.capacity_config(), cfg.extract_config(), inputs, data, run_dir)
     vocab = build_vocab_task.fn(cfg.vocab, inputs, data, run_dir)
     for m in (data, plan, vocab):
         assert manifest_ok(m), m
