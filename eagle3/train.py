@@ -280,9 +280,10 @@ class TrainingTimeTest(nn.Module):
 
     def teacher_logits(self, final: torch.Tensor) -> torch.Tensor:
         """final: [B, T, H] (BEFORE the verifier's final norm) -> [B, T, draft_vocab]: verifier norm + lm_head rows."""
-        h = final.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.teacher_norm
-        return h @ self.teacher_lm_head.T
+        with torch.autocast(final.device.type, enabled=False):  # the teacher stays float32 under bf16 autocast
+            h = final.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.teacher_norm.float()
+            return h @ self.teacher_lm_head.float().T
 
     def forward(self, batch: Batch, norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """norm: [K] float, the divisor of step k's KL sum (entries counted in the whole optimizer step, divided by the

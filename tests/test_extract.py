@@ -86,6 +86,12 @@ def test_kimi_like_nested_deepseek_v3_exact(kimi_like_target, tmp_path):
     assert r.samples_written == 4
     # vLLM's default (2, L//2, L-3) for L = 6 is (2, 3, 3); vLLM keeps sorted(set(...)) = [2, 3]
     _check_exact(kimi_like_target, tmp_path / "store", [2, 3], [0, 1, 2, 3])
+    # the training head reads only the draft-vocab rows of lm_head (sharded, prefixed checkpoint)
+    draft_ids = torch.tensor([3, 4, 5, 17, 400, 401, 1023])
+    head = load_verifier_head(kimi_like_target, draft_token_ids=draft_ids, with_embedding=False)
+    full = load_verifier_head(kimi_like_target, with_embedding=False)
+    final = HiddenStateStore(tmp_path / "store").load(2)["final_hidden_state"]
+    torch.testing.assert_close(head.logits(final), full.logits(final)[:, draft_ids])
 
 
 def test_bundled_verifier_teacher_logits_exact(bundled_verifier, tmp_path):

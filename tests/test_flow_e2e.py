@@ -109,8 +109,8 @@ def test_deployment_run_end_to_end_then_fully_cached(prefect_server, tmp_path):
     assert stages <= set(first["task_states"]), first["task_states"]
     assert all(first["task_states"][s] == "Completed" for s in stages), first["task_states"]
     assert all(second["task_states"][s] == "Cached" for s in stages), second["task_states"]
-    for key in ("dataset-stats", "capacity-plan", "vocab-coverage", "extraction-progress", "training-curves",
-                "validation-acceptance"):
+    for key in ("dataset-stats", "capacity-plan", "vocab-coverage", "extract-progress", "extract-summary",
+                "train-summary", "train-curves", "validation-acceptance", "validation-report"):
         assert key in first["artifact_keys"], (key, first["artifact_keys"])
 
 

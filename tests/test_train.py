@@ -176,3 +176,13 @@ def test_train_task_manifest(random_store, tiny_llama_verifier, tmp_path):
     again = train_draft_task.fn(cfg.model_copy(update={"log_every_steps": 5}), {"verifier_path": str(tiny_llama_verifier)},
                                 {"store_path": str(store)}, {"mapping_path": str(vocab)}, str(tmp_path))
     assert again["out_dir"] == m["out_dir"] and again["best_sha256"] == m["best_sha256"]
+
+
+def test_worker_bad_input_reaches_the_caller(random_store, tiny_llama_verifier, tmp_path):
+    """A bad-input error inside the torchrun workers is re-raised in the caller with its own message."""
+    _, vocab = random_store
+    init_store(tmp_path / "empty", verifier=tiny_llama_verifier, aux_layer_ids=[1, 2, 3], hidden_size=64,
+               num_samples=5, dtype="float32")
+    with pytest.raises(TrainError, match=r"store .*empty is empty: no finished samples"):
+        train_draft(TrainConfig(epochs=1, nproc=2, **TINY), tmp_path / "empty", vocab, tiny_llama_verifier,
+                    tmp_path / "out")

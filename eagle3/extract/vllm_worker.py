@@ -40,6 +40,7 @@ def build_llm(job: dict):
         enforce_eager=job["enforce_eager"],
         trust_remote_code=job["trust_remote_code"],
         enable_prefix_caching=False,
+        skip_tokenizer_init=True,  # prompts arrive as token ids; verifiers need not ship a tokenizer here
         disable_log_stats=True,
         speculative_config={
             "method": "extract_hidden_states",
