@@ -19,7 +19,7 @@ from eagle3.extract.run import extract_hidden_states
 from eagle3.extract.store import MANIFEST, HiddenStateStore
 
 REPO = Path(__file__).resolve().parent.parent
-N = 60
+N = 40
 
 
 def _lines(path: Path) -> int:
