@@ -138,3 +138,32 @@ def test_cuda_preflight_gpu_reports_and_refuses_busy_gpu():
     finally:
         del hog
         torch.cuda.empty_cache()
+
+
+def test_second_extraction_waits_then_resumes_what_the_first_wrote(tiny_llama_verifier, tmp_path):
+    import json
+
+    from test_extract import make_dataset
+
+    from eagle3.extract.run import extract_hidden_states
+    from eagle3.extract.store import MANIFEST
+
+    ds = make_dataset(tmp_path / "ds", [40 + i for i in range(24)], 8192)
+    cfg = {"verifier": str(tiny_llama_verifier), "lock_dir": str(tmp_path / "locks"), "device": "cpu",
+           "max_samples_per_batch": 1, "log_every_seconds": 0, "log_every_samples": 0}
+    code = f"from eagle3.extract.run import extract_hidden_states; extract_hidden_states({cfg!r}, " \
+           f"{str(ds)!r}, {str(tmp_path / 'store')!r})"
+    first = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.PIPE)
+    try:
+        manifest = tmp_path / "store" / MANIFEST
+        while not (manifest.exists() and manifest.read_text()):  # the first job holds the lock and writes
+            assert first.poll() is None, first.stderr.read().decode()[-2000:]
+            time.sleep(0.02)
+        r = extract_hidden_states({**cfg, "lock_wait_seconds": 120}, ds, tmp_path / "store")
+        assert first.wait() == 0
+    finally:
+        first.kill()
+        first.wait()
+    assert (r.samples_written, r.samples_resumed, r.model_loads) == (0, 24, 0)
+    indices = [json.loads(x)["index"] for x in manifest.read_text().splitlines()]
+    assert sorted(indices) == list(range(24))

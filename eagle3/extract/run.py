@@ -36,6 +36,7 @@ from eagle3.extract.store import (
     HiddenStateStore,
     clean_temp_files,
     ensure_store,
+    read_manifest,
     repair_manifest,
     store_meta,
 )
@@ -300,6 +301,16 @@ def _on_oom(cfg: ExtractConfig, batcher: TokenBudgetBatcher, batch: Batch, messa
 # -------------------------------------------------------------------------------------------------- entry point
 
 
+def _start(cfg: ExtractConfig, todo: dict[int, int], start: int, end: int, n: int, aux_ids: list[int],
+           on_progress: Callable[[int, int, str], None] | None) -> _SafeProgress:
+    log.info("extract: %d samples (%s tokens) to do in shard [%d, %d) of %d; aux_layer_ids %s (vLLM convention: "
+             "residual stream entering layer k) + final pre-norm state; backend %s; budget %s padded tokens / "
+             "%d samples per batch", len(todo), f"{sum(todo.values()):,}", start, end, n, aux_ids, cfg.backend,
+             f"{cfg.max_tokens_per_batch:,}", cfg.max_samples_per_batch)
+    return _SafeProgress(Progress("extract", total=len(todo), unit="samples", every_n=cfg.log_every_samples,
+                                  every_s=cfg.log_every_seconds, logger=log, on_update=on_progress))
+
+
 def extract_hidden_states(
     cfg: ExtractConfig | dict,
     dataset_dir: str | Path,
@@ -322,30 +333,36 @@ def extract_hidden_states(
         dtype=dtype_name if cfg.store_dtype == "model" else cfg.store_dtype, num_samples=len(ds),
         backend=cfg.backend, group_size=cfg.group_size,
     ))
-    done, temps_removed, dropped = resume_state(store_dir, start, end, cfg.resume_check)
-    todo = {i: lengths[i] for i in range(start, end) if i not in done}
     stats: dict[str, Any] = {"model_loads": 0, "model_load_seconds": 0.0, "samples_written": 0, "bytes_written": 0,
                              "samples_unfittable": [], "token_budget_history": [cfg.max_tokens_per_batch]}
-    todo_tokens = sum(todo.values())
-    log.info("extract: %d samples (%s tokens) to do in shard [%d, %d) of %d; aux_layer_ids %s (vLLM convention: "
-             "residual stream entering layer k) + final pre-norm state; backend %s; budget %s padded tokens / "
-             "%d samples per batch", len(todo), f"{todo_tokens:,}", start, end, len(ds), aux_ids, cfg.backend,
-             f"{cfg.max_tokens_per_batch:,}", cfg.max_samples_per_batch)
-    progress = _SafeProgress(Progress("extract", total=len(todo), unit="samples", every_n=cfg.log_every_samples,
-                                      every_s=cfg.log_every_seconds, logger=log, on_update=on_progress))
     t_start = time.monotonic()
+    listed = read_manifest(store_dir, strict=False)
+    temps_removed = dropped = 0
+    if all(i in listed for i in range(start, end)):  # looks complete: verify without taking the GPU lock
+        done, temps_removed, dropped = resume_state(store_dir, start, end, cfg.resume_check)
+        todo = {i: lengths[i] for i in range(start, end) if i not in done}
+    else:
+        todo = {i: lengths[i] for i in range(start, end)}
     if todo:
         gpu_ids = _gpu_ids(cfg)
         names = lock_names(None, {str(i): f"cuda:{i}" for i in gpu_ids}) if gpu_ids else ["host-cpu"]
         with device_lock(names, cfg.lock_dir, cfg.lock_wait_seconds, logger=log) as lock_fds:
-            if gpu_ids and cfg.min_free_gpu_memory_fraction > 0:
+            # resume under the lock: a job that waited for it sees what the previous holder wrote, and no other
+            # job on these devices is writing temp files of this shard while they are cleaned up
+            done, removed, bad = resume_state(store_dir, start, end, cfg.resume_check)
+            temps_removed, dropped = temps_removed + removed, dropped + bad
+            todo = {i: lengths[i] for i in range(start, end) if i not in done}
+            progress = _start(cfg, todo, start, end, len(ds), aux_ids, on_progress)
+            if todo and gpu_ids and cfg.min_free_gpu_memory_fraction > 0:
                 cuda_preflight(gpu_ids, cfg.min_free_gpu_memory_fraction, logger=log)
-            if cfg.backend == "vllm":
+            if todo and cfg.backend == "vllm":
                 from eagle3.extract import vllm_backend
 
                 vllm_backend.run_vllm(cfg, spec, aux_ids, ds, todo, store_dir, meta, stats, progress, lock_fds)
-            else:
+            elif todo:
                 _run_transformers(cfg, spec, aux_ids, ds, todo, store_dir, meta, progress, oom_injector, stats)
+    else:
+        _start(cfg, todo, start, end, len(ds), aux_ids, on_progress)
     extract_s = stats.get("extract_end", time.monotonic()) - stats.get("extract_start", t_start)
     store = HiddenStateStore(store_dir)
     manifest = store_dir / MANIFEST
