@@ -186,3 +186,17 @@ def test_worker_bad_input_reaches_the_caller(random_store, tiny_llama_verifier, 
     with pytest.raises(TrainError, match=r"store .*empty is empty: no finished samples"):
         train_draft(TrainConfig(epochs=1, nproc=2, **TINY), tmp_path / "empty", vocab, tiny_llama_verifier,
                     tmp_path / "out")
+
+
+def test_trains_against_a_kimi_like_sharded_nested_verifier(kimi_like_target, tmp_path):
+    """DeepseekV3 (MLA + MoE) nested under `language_model.` and sharded, as Kimi-K2.5 ships: the teacher head and
+    the embedding come through the safetensors index; the checkpoint loads back with the verifier's embedding."""
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 1024, (n,), generator=g).tolist() for n in (40, 70, 55, 90, 30, 64, 81, 47)]
+    masks = [[0] * 10 + [1] * (len(x) - 10) for x in ids]
+    store, vocab = make_store(tmp_path, kimi_like_target, ids, masks, [1, 3, 4], 128, 1024)
+    r = train_draft(TrainConfig(epochs=1, val_ratio=0.25, **TINY), store, vocab, kimi_like_target, tmp_path / "out")
+    cfg = json.loads((Path(r["best"]) / "config.json").read_text())
+    assert (cfg["vocab_size"], cfg["draft_vocab_size"], cfg["eagle_aux_hidden_state_layer_ids"]) == (1024, 128, [1, 3, 4])
+    draft = ckpt.load_draft(r["best"])  # embedding read from the verifier named in eagle3_run.json
+    assert draft.embed_tokens.weight.shape == (1024, 64)
