@@ -1,0 +1,193 @@
+"""The bundled tiny chat verifier (models/tiny-chat-verifier) and its data (data/stdlib-chat): shipped artifacts load
+offline, the tokenizer round-trips bytes, the chat template renders, the splits are disjoint, the builder is
+deterministic, and the model passes the quality gate (varied greedy text, no single-token loops)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from eagle3 import bundled
+from eagle3.bundled import (
+    DEFAULT_DATA_DIR,
+    DEFAULT_MODEL_DIR,
+    build_stdlib_conversations,
+    greedy_generate,
+    longest_run,
+    quality_prompts,
+    read_messages,
+    top_level,
+)
+
+SUBSET = ["colorsys", "getopt", "json", "textwrap"]  # small modules: one in the eval bucket (json), the others not
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return bundled.load_tokenizer(DEFAULT_MODEL_DIR)
+
+
+@pytest.fixture(scope="module")
+def model(bundled_verifier):
+    torch.set_num_threads(2)
+    return bundled.load_model(bundled_verifier)
+
+
+@pytest.fixture(scope="module")
+def eval_messages():
+    return read_messages(DEFAULT_DATA_DIR / "eval.openai.jsonl")
+
+
+def _sharegpt_modules(split: str) -> set[str]:
+    with (DEFAULT_DATA_DIR / f"{split}.sharegpt.jsonl").open(encoding="utf-8") as f:
+        return {json.loads(line)["id"].split("/", 1)[0] for line in f}
+
+
+# --- tokenizer -------------------------------------------------------------------------------------------------
+
+
+def test_tokenizer_vocab_and_special_tokens(tokenizer):
+    assert len(tokenizer) == 8192
+    ids = tokenizer.convert_tokens_to_ids(list(bundled.SPECIAL_TOKENS))
+    assert ids == list(range(len(bundled.SPECIAL_TOKENS)))
+    assert tokenizer.bos_token == "<|bos|>" and tokenizer.eos_token == "<|end|>" and tokenizer.pad_token == "<|pad|>"
+    assert tokenizer.encode("x y", add_special_tokens=False) == tokenizer("x y")["input_ids"]  # no implicit BOS
+
+
+def test_byte_level_round_trip(tokenizer):
+    rng = random.Random(0)
+    texts = [
+        "Return a list of strings.\r\n\tIndented  double  spaces   ",
+        "Unicode: héllo wörld, 中文, русский, العربية, emoji 🤖🎉, combining e\u0301, zero-width \u200b, NUL \x00.",
+        "  leading and trailing whitespace \n\n\n",
+        "".join(chr(rng.randrange(1, 0x2FFFF)) for _ in range(300)).encode("utf-8", "replace").decode("utf-8"),
+        "".join(chr(rng.randrange(0, 0x80)) for _ in range(300)),
+    ]
+    for text in texts:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert tokenizer.decode(ids) == text
+
+
+def test_chat_template_renders_system_multi_turn_and_generation_prompt(tokenizer):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What does json.dumps do?"},
+        {"role": "assistant", "content": "Serialize obj to a JSON formatted str."},
+        {"role": "user", "content": "And json.loads?"},
+    ]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered == (
+        "<|bos|><|system|>\nBe brief.<|end|>\n<|user|>\nWhat does json.dumps do?<|end|>\n"
+        "<|assistant|>\nSerialize obj to a JSON formatted str.<|end|>\n<|user|>\nAnd json.loads?<|end|>\n<|assistant|>\n"
+    )
+    assert not tokenizer.apply_chat_template(messages, tokenize=False).endswith("<|assistant|>\n")
+
+
+def test_assistant_content_tokenizes_cleanly_and_is_masked(tokenizer):
+    content = "Return the  value\n of x; see 'help()'."
+    messages = [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": content}]
+    enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ids, mask = enc["input_ids"], enc["assistant_masks"]
+    alone = tokenizer.encode(content, add_special_tokens=False)
+    masked = [t for t, m in zip(ids, mask) if m]
+    end_id = tokenizer.convert_tokens_to_ids("<|end|>")
+    assert masked == alone + [end_id]  # the answer's tokens as if tokenized alone, then the end-of-turn token
+
+
+# --- data ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("split", ["train", "eval"])
+def test_data_files_parse_in_both_formats_with_equal_conversations(split):
+    sharegpt = read_messages(DEFAULT_DATA_DIR / f"{split}.sharegpt.jsonl")
+    openai = read_messages(DEFAULT_DATA_DIR / f"{split}.openai.jsonl")
+    assert len(sharegpt) == len(openai) > 0
+    assert sharegpt == openai
+    for messages in openai:
+        roles = [m["role"] for m in messages]
+        body = roles[1:] if roles[0] == "system" else roles
+        assert body == ["user", "assistant"] * (len(body) // 2) and len(body) >= 2
+        assert all(len(m["content"]) >= bundled.MIN_DOC_CHARS for m in messages if m["role"] == "assistant")
+    assert any(m[0]["role"] == "system" for m in openai) and any(len(m) >= 4 for m in openai)
+
+
+def test_eval_modules_disjoint_from_train():
+    train, held = _sharegpt_modules("train"), _sharegpt_modules("eval")
+    assert held and train
+    assert not {top_level(m) for m in train} & {top_level(m) for m in held}
+    manifest = json.loads((DEFAULT_DATA_DIR / "manifest.json").read_text())
+    assert set(manifest["modules"]["eval"]) == held and set(manifest["modules"]["train"]) == train
+    assert all(bundled.is_heldout(m) for m in held) and not any(bundled.is_heldout(m) for m in train)
+    train_answers = {
+        m["content"]
+        for c in read_messages(DEFAULT_DATA_DIR / "train.openai.jsonl")
+        for m in c
+        if m["role"] == "assistant"
+    }
+    held_answers = {
+        m["content"]
+        for c in read_messages(DEFAULT_DATA_DIR / "eval.openai.jsonl")
+        for m in c
+        if m["role"] == "assistant"
+    }
+    assert not train_answers & held_answers
+
+
+def test_builder_is_deterministic_across_processes_and_hash_seeds():
+    def dump(convs):
+        return json.dumps([[c.id, c.module, c.split, c.messages] for c in convs])
+
+    here = dump(build_stdlib_conversations(SUBSET))
+    assert here == dump(build_stdlib_conversations(list(reversed(SUBSET))))
+    code = (
+        "import json, sys; from eagle3.bundled import build_stdlib_conversations as b; "
+        "print(json.dumps([[c.id, c.module, c.split, c.messages] for c in b(sys.argv[1:])]))"
+    )
+    env = dict(os.environ, PYTHONHASHSEED="12345")
+    other = subprocess.run(
+        [sys.executable, "-c", code, *SUBSET],
+        env=env,
+        cwd=bundled.REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert here == other
+    convs = json.loads(here)
+    assert {c[1] for c in convs} == set(SUBSET) and {c[2] for c in convs} == {"train", "eval"}
+
+
+# --- model -----------------------------------------------------------------------------------------------------
+
+
+def test_shipped_model_files(bundled_verifier):
+    config = json.loads((bundled_verifier / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is False
+    assert config["vocab_size"] == 8192 and config["hidden_size"] == 256 and config["num_hidden_layers"] == 4
+    assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
+    generation = json.loads((bundled_verifier / "generation_config.json").read_text())
+    assert set(generation["eos_token_id"]) == {1, 6} and generation["pad_token_id"] == 2
+    with safe_open(str(bundled_verifier / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert "lm_head.weight" in keys and "model.embed_tokens.weight" in keys
+        assert f.get_slice("lm_head.weight").get_shape() == [8192, 256]
+        assert f.get_slice("lm_head.weight").get_dtype() == "BF16"
+    assert (bundled_verifier / "model.safetensors").stat().st_size < 20 * 2**20
+    assert "perplexity" in (bundled_verifier / "README.md").read_text()
+
+
+def test_quality_gate_varied_greedy_answers_on_heldout_prompts(model, tokenizer, eval_messages):
+    prompts = quality_prompts(eval_messages, n=5)
+    assert len(prompts) == 5
+    for prompt in prompts:
+        new_ids = greedy_generate(model, tokenizer, prompt, max_new_tokens=64, ignore_eos=True)
+        text = tokenizer.decode(new_ids)
+        assert len(set(new_ids)) >= 20, f"{prompt[-1]['content']!r} -> {text!r}"
+        assert longest_run(new_ids) < 8, f"{prompt[-1]['content']!r} -> {text!r}"
