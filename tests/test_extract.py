@@ -96,8 +96,19 @@ def test_kimi_like_nested_deepseek_v3_exact(kimi_like_target, tmp_path):
 
 def test_bundled_verifier_teacher_logits_exact(bundled_verifier, tmp_path):
     ds = make_dataset(tmp_path / "ds", [40, 17, 64], 8192, seed=3)
-    extract_hidden_states(_cfg(bundled_verifier, tmp_path), ds, tmp_path / "store")
+    # the checkpoint is bf16: compute and store in fp32 so the rebuilt logits can match to 1e-4
+    extract_hidden_states(_cfg(bundled_verifier, tmp_path, dtype="float32"), ds, tmp_path / "store")
     _check_exact(bundled_verifier, tmp_path / "store", HiddenStateStore(tmp_path / "store").aux_layer_ids, [0, 1, 2])
+    # default dtype "auto" = the checkpoint's bf16: states equal an HF bf16 forward of the same sample
+    extract_hidden_states(_cfg(bundled_verifier, tmp_path, store_dtype="model", max_samples_per_batch=1), ds,
+                          tmp_path / "bf16")
+    store = HiddenStateStore(tmp_path / "bf16")
+    assert store.meta["dtype"] == "bfloat16"
+    ref = AutoModelForCausalLM.from_pretrained(str(bundled_verifier)).eval()  # bf16, as shipped
+    t = store.load(1)
+    with torch.no_grad():
+        hs = ref(t["input_ids"][None], output_hidden_states=True).hidden_states
+    torch.testing.assert_close(t["aux_hidden_states"][:, 256:512], hs[store.aux_layer_ids[1]][0])
 
 
 def test_batching_invariance(tiny_llama_verifier, tmp_path):
