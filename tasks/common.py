@@ -133,11 +133,15 @@ def describe_inputs(verifier_path: str, sources: list[str]) -> dict:
 
 
 OOM_MARKERS = ("out of memory", "outofmemoryerror", "cuda error: out of memory", "cannot allocate memory",
-               "defaultcpuallocator: can't allocate memory", "outofmemoryafterretries")
+               "defaultcpuallocator: can't allocate memory")
 
 
 def is_oom_exception(exc: BaseException | None) -> bool:
+    """True for an allocation failure anywhere in the cause chain. Not for ``OutOfMemoryAfterRetries``: the job
+    already halved its budget down to the floor, so a retry at a smaller batch cannot help."""
     while exc is not None:
+        if type(exc).__name__ == "OutOfMemoryAfterRetries":
+            return False
         text = f"{type(exc).__name__}: {exc}".lower()
         if isinstance(exc, MemoryError) or any(m in text for m in OOM_MARKERS):
             return True
