@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 _CHUNK_BYTES = 1 << 20
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
@@ -24,6 +26,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; artifacts are shared files like any other
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
