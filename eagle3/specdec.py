@@ -116,6 +116,8 @@ def speculative_generate(verifier, draft: Eagle3Draft, prompt: list[int], num_sp
         new = drafts[:accepted] + [targets[accepted]]
         seq += new
         out += new
+        if stop_ids.intersection(new):  # a stop token anywhere in the round ends the request (vLLM's stop check)
+            break
     for i, tok in enumerate(out):  # cut after the first stop token, then at the budget (vLLM's output rules)
         if tok in stop_ids:
             out = out[: i + 1]

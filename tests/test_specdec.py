@@ -147,7 +147,8 @@ def _constant_draft(verifier_path: Path, token: int, draft_vocab: int = 64) -> E
 
 
 def _simulate(greedy: list[int], token: int, k: int, max_new: int, stops: set[int]) -> AcceptanceStats:
-    """Independent bookkeeping: a draft that always guesses ``token`` against the known greedy continuation."""
+    """Independent bookkeeping: a draft that always guesses ``token`` against the known greedy continuation.
+    A request ends when a stop token is emitted anywhere in a round, or at max_new tokens."""
     stats = AcceptanceStats(k)
     m = 0  # index of the newest generated token
     while m + 1 < max_new and greedy[m] not in stops:
@@ -155,7 +156,10 @@ def _simulate(greedy: list[int], token: int, k: int, max_new: int, stops: set[in
         while a < k and greedy[m + 1 + a] == token:
             a += 1
         stats.observe(k, a)
+        emitted = greedy[m + 1 : m + a + 2]
         m += a + 1
+        if stops.intersection(emitted):
+            break
     return stats
 
 
@@ -173,13 +177,19 @@ def test_chain_loop_is_lossless_and_counts_like_vllm(tiny_llama_verifier, k):
     assert stats.num_accepted_tokens > 0  # the check is not vacuous: some guesses were accepted
 
 
-def test_chain_loop_stops_at_a_stop_token(tiny_llama_verifier):
+@pytest.mark.parametrize("where", ["verifier-token", "accepted-draft"])
+def test_chain_loop_stops_at_a_stop_token(tiny_llama_verifier, where):
+    """The stop token ends the request wherever it lands in a round, also as an ACCEPTED draft token followed by
+    more tokens of the same round (those still count as accepted, as in vLLM's scheduler)."""
     verifier = load_verifier(tiny_llama_verifier)
     prompt = [0, 7, 99, 1234, 42]
-    greedy = _greedy(verifier, prompt, 20)
-    stop = greedy[5]
+    greedy = _greedy(verifier, prompt, 40)
+    token = Counter(greedy[:20]).most_common(1)[0][0]
+    stop = greedy[5] if where == "verifier-token" else token
     cut = greedy.index(stop) + 1
-    draft = _constant_draft(tiny_llama_verifier, Counter(greedy).most_common(1)[0][0])
-    out, stats = speculative_generate(verifier, draft, prompt, 3, 40, stop_ids={stop})
+    draft = _constant_draft(tiny_llama_verifier, token)
+    out, stats = speculative_generate(verifier, draft, prompt, 3, 30, stop_ids={stop})
     assert out == greedy[:cut]
-    assert stats == _simulate(greedy, Counter(greedy).most_common(1)[0][0], 3, 40, {stop})
+    assert stats == _simulate(greedy, token, 3, 30, {stop})
+    if where == "accepted-draft":
+        assert stats.num_accepted_tokens > 0
