@@ -774,8 +774,10 @@ def write_model_card(
     evaluation: dict,
     samples: Sequence[tuple[str, str]],
     command: str,
+    git_revision: str | None = None,
 ) -> None:
-    """README.md (the model card) and training.json (settings, loss curve, versions, git revision)."""
+    """README.md (the model card) and training.json (settings, loss curve, versions, the git revision it was
+    built from: `git_revision`, or the current HEAD)."""
     model_dir = Path(model_dir)
     train, held = manifest["counts"]["train"], manifest["counts"]["eval"]
     record = {
@@ -784,7 +786,7 @@ def write_model_card(
         "evaluation": evaluation,
         "data_manifest_sha256": manifest["sha256"],
         "versions": _versions(),
-        "git_revision": _git_revision(),
+        "git_revision": git_revision or _git_revision(),
         "command": command,
     }
     (model_dir / "training.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -796,7 +798,9 @@ A {history["parameters"] / 1e6:.1f}M-parameter Llama chat model trained from scr
 Python standard-library docstrings. It is the bundled *verifier* (target model) this project uses in tests and the
 demo, where no real LLM can be downloaded: small enough for 2 CPU cores, yet it produces varied, docstring-like
 text (a random-init model repeats one token forever, which makes draft-acceptance measurements meaningless).
-Not a useful assistant.
+Not a useful assistant: after this short CPU training its answers are generic docstring prose, loosely tied to the
+question asked (compare the held-out perplexity with the training loss below). That suffices for what the project
+measures with it: a draft model has to learn to predict this verifier's own outputs.
 
 ## Architecture
 `LlamaForCausalLM`: 4 layers, hidden 256, 8 attention heads / 4 KV heads (head_dim 32), intermediate 768 (SiLU),
@@ -875,6 +879,21 @@ def build_data_and_tokenizer(data_dir: Path = DEFAULT_DATA_DIR, model_dir: Path 
     return conversations, manifest, tokenizer
 
 
+def evaluate_shipped(model_dir: Path, eval_conversations: Sequence[Conversation]) -> tuple[dict, list]:
+    """Held-out perplexity, quality-gate figures and sample answers of the model exactly as written to `model_dir`
+    (bf16 weights upcast to float32); returns (evaluation, [(question, answer), ...])."""
+    model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
+    evaluation = eval_perplexity(model, tokenizer, eval_conversations)
+    samples = []
+    for prompt in quality_prompts([c.messages for c in eval_conversations]):
+        answer = greedy_generate(model, tokenizer, prompt)  # stops at <|end|>
+        samples.append((prompt[-1]["content"], tokenizer.decode(answer)))
+        gate_ids = greedy_generate(model, tokenizer, prompt, ignore_eos=True)  # exactly 64 tokens
+        evaluation.setdefault("gate_distinct_tokens", []).append(len(set(gate_ids)))
+        evaluation.setdefault("gate_longest_run", []).append(longest_run(gate_ids))
+    return evaluation, samples
+
+
 def build_tiny_verifier(
     data_dir: Path = DEFAULT_DATA_DIR,
     model_dir: Path = DEFAULT_MODEL_DIR,
@@ -885,6 +904,7 @@ def build_tiny_verifier(
 ) -> dict:
     """Rebuild data, tokenizer and (unless `train_model` is False) the model and its card; returns a summary."""
     settings = settings or TrainSettings()
+    revision = _git_revision()  # of the code that runs, before hours of training
     conversations, manifest, tokenizer = build_data_and_tokenizer(data_dir, model_dir, seed=settings.seed)
     log(f"[data] {json.dumps(manifest['counts'])}; eval modules {manifest['eval_top_level_modules']}")
     if not train_model:
@@ -892,16 +912,7 @@ def build_tiny_verifier(
     splits = split_conversations(conversations)
     model, history = train_tiny_llama(tokenizer, conversation_token_ids(tokenizer, splits["train"]), settings, log)
     save_model(model, tokenizer, model_dir)
-    shipped = load_model(model_dir)  # evaluate exactly what was written: bf16 weights upcast to float32
-    shipped_tokenizer = load_tokenizer(model_dir)
-    evaluation = eval_perplexity(shipped, shipped_tokenizer, splits["eval"])
-    samples = []
-    for prompt in quality_prompts([c.messages for c in splits["eval"]]):
-        answer = greedy_generate(shipped, shipped_tokenizer, prompt)  # stops at <|end|>
-        samples.append((prompt[-1]["content"], shipped_tokenizer.decode(answer)))
-        gate_ids = greedy_generate(shipped, shipped_tokenizer, prompt, ignore_eos=True)  # exactly 64 tokens
-        evaluation.setdefault("gate_distinct_tokens", []).append(len(set(gate_ids)))
-        evaluation.setdefault("gate_longest_run", []).append(longest_run(gate_ids))
+    evaluation, samples = evaluate_shipped(model_dir, splits["eval"])
     log(f"[eval] {evaluation}")
-    write_model_card(model_dir, manifest, settings, history, evaluation, samples, command)
+    write_model_card(model_dir, manifest, settings, history, evaluation, samples, command, revision)
     return {"manifest": manifest, "history": history, "evaluation": evaluation, "samples": samples}
