@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from transformers import AutoTokenizer
 
 from eagle3.data import ChatEncoder, DataError, PrepareConfig, prepare_dataset
-from eagle3.io import fingerprint_paths, sha256_file
+from eagle3.io import fingerprint_paths
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
@@ -396,18 +396,15 @@ def test_tokenizer_that_prefixes_every_call_is_refused(tmp_path):
 # ---------------------------------------------------------------------------------------------------- outputs
 
 
-def test_outputs_stats_and_task_manifest(tmp_path):
-    from tasks.prepare import prepare_data
-
+def test_outputs_stats_and_dataset_columns(tmp_path):
     src = str(write_jsonl(tmp_path / "rows.jsonl", [{"messages": m} for m in CONVERSATIONS]))
     cfg = PrepareConfig(sources=[src], tokenizer_path=str(BUNDLED_TOKENIZER), max_seq_len=512)
-    manifest = prepare_data.fn(cfg, str(tmp_path / "data"))
-    json.dumps(manifest)  # small and JSON-serialisable
+    result = prepare_dataset(cfg, tmp_path / "data")
     out = tmp_path / "data"
-    assert manifest["dataset_path"] == str(out / "dataset") and manifest["stats_path"] == str(out / "stats.json")
-    assert manifest["stats_sha256"] == sha256_file(out / "stats.json")
-    assert manifest["dataset_fingerprint"] == fingerprint_paths([out / "dataset"])
-    assert manifest["samples_kept"] == len(CONVERSATIONS) and manifest["samples_skipped"] == 0
+    assert result.dataset_path == str(out / "dataset") and result.stats_path == str(out / "stats.json")
+    manifest = {"total_tokens": result.total_tokens, "assistant_tokens": result.assistant_tokens,
+                "dataset_path": result.dataset_path}
+    assert result.num_samples == len(CONVERSATIONS) and result.stats["samples_skipped"] == 0
 
     ds = datasets.load_from_disk(manifest["dataset_path"])
     assert ds.features["input_ids"].feature.dtype == "int32" and ds.features["loss_mask"].feature.dtype == "int8"
@@ -422,9 +419,9 @@ def test_outputs_stats_and_task_manifest(tmp_path):
     assert stats["tokenizer_path"] == str(BUNDLED_TOKENIZER) and len(stats["chat_template_sha256"]) == 64
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp leftovers
 
-    # the same input gives the same content fingerprint (a rerun is a cache hit downstream)
-    again = prepare_data.fn(cfg.model_dump(), str(tmp_path / "again"))
-    assert again["fingerprint"] == manifest["fingerprint"]
+    # the same input gives the same dataset content (a rerun's fingerprint matches: a cache hit downstream)
+    again = prepare_dataset(cfg.model_dump(), tmp_path / "again")
+    assert fingerprint_paths([again.dataset_path]) == fingerprint_paths([result.dataset_path])
 
     with pytest.raises(ValidationError):
         PrepareConfig(sources=[src], tokenizer_path=str(BUNDLED_TOKENIZER), max_seq=10)
