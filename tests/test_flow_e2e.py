@@ -91,8 +91,13 @@ def test_deployment_run_end_to_end_then_fully_cached(prefect_server, tmp_path):
     worker = _start([str(BIN / "prefect"), "worker", "start", "--pool", "e2e-pool", "--type", "process"],
                     env, home / "worker.log")
     try:
-        params = {"config": {"runs_dir": str(tmp_path / "runs"), "result_storage": str(tmp_path / "results"),
-                             "host": {"gpu_concurrency_limit": "e2e-gpus", "strict": True}, **TINY_E2E_OVERRIDES}}
+        # a run's `config` parameter replaces the deployment's whole: send the full tiny preset with the overrides
+        from eagle3.config import load_config
+
+        config = load_config("tiny", {"runs_dir": str(tmp_path / "runs"), "result_storage": str(tmp_path / "results"),
+                                      "host": {"gpu_concurrency_limit": "e2e-gpus", "strict": True},
+                                      **TINY_E2E_OVERRIDES})
+        params = {"config": config.model_dump(mode="json", by_alias=True)}
         runs = []
         for _ in range(2):
             out = _run([str(BIN / "prefect"), "deployment", "run", "eagle3-pipeline/tiny", "--params",
