@@ -10,5 +10,6 @@ cd "$(dirname "$0")/.."
 POOL=${1:-${EAGLE3_WORK_POOL:-gpu-host}}
 QUEUE=${2:-${EAGLE3_WORK_QUEUE:-default}}
 export EAGLE3_REPO_DIR=${EAGLE3_REPO_DIR:-$(pwd)}
+export PREFECT_LOGGING_EXTRA_LOGGERS=${PREFECT_LOGGING_EXTRA_LOGGERS:-eagle3}
 : "${PREFECT_API_URL:?set PREFECT_API_URL to the Prefect server, e.g. http://prefect.internal:4200/api}"
 exec .venv/bin/prefect worker start --pool "$POOL" --work-queue "$QUEUE" --type process

@@ -30,6 +30,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from eagle3.data import load_prepared
 from eagle3.io import atomic_write_json
 from eagle3.progress import fmt_duration
 from eagle3.verifier import VerifierSpec, torch_dtype
@@ -205,18 +206,9 @@ def _total_header_bytes(lengths: np.ndarray, n_aux: int, hidden_size: int, store
 
 def sample_lengths(dataset_dir: str | Path) -> np.ndarray:
     """Token count of every sample of a prepared dataset -> [num_samples] int64, from the Arrow list offsets only."""
-    import datasets
     import pyarrow.compute as pc
 
-    dataset_dir = Path(dataset_dir)
-    if not dataset_dir.is_dir():
-        raise CapacityError(f"dataset folder not found: {dataset_dir} (expected datasets.Dataset.save_to_disk output)")
-    try:
-        ds = datasets.load_from_disk(str(dataset_dir))
-    except (OSError, ValueError) as e:  # FileNotFoundError, ArrowInvalid, ... for broken folders
-        raise CapacityError(f"cannot open dataset {dataset_dir}: {e}") from None
-    if not isinstance(ds, datasets.Dataset) or "input_ids" not in ds.column_names:
-        raise CapacityError(f"dataset {dataset_dir} has no input_ids column (expected the data stage's output)")
+    ds = load_prepared(dataset_dir, ("input_ids",), CapacityError)
     parts = [
         pc.list_value_length(t.column("input_ids")).to_numpy(zero_copy_only=False)
         for t in ds.select_columns(["input_ids"]).with_format("arrow").iter(batch_size=65536)

@@ -86,6 +86,27 @@ class DataError(ValueError):
     """Bad input to the data stage; the message names the source, file, field or tokenizer path."""
 
 
+def load_prepared(dataset_dir: str | Path, columns: tuple[str, ...] = ("input_ids", "loss_mask"),
+                  error: type[Exception] = DataError):
+    """Open the data stage's output (a ``datasets.Dataset.save_to_disk`` folder) and check it holds one split with
+    ``columns``; any problem raises one ``error`` naming the folder. Later stages read prepared data through this."""
+    import datasets
+
+    path = Path(dataset_dir)
+    if not path.is_dir():
+        raise error(f"dataset folder not found: {path} (expected datasets.Dataset.save_to_disk output)")
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except (OSError, ValueError) as e:  # FileNotFoundError, ArrowInvalid, ... for broken folders
+        raise error(f"cannot open dataset {path}: {e}") from None
+    if not isinstance(ds, datasets.Dataset):
+        raise error(f"dataset folder {path} holds a DatasetDict ({list(ds)}); pass one split's folder")
+    missing = [c for c in columns if c not in ds.column_names]
+    if missing:
+        raise error(f"dataset {path} lacks column(s) {missing} (has {ds.column_names}); run the data stage")
+    return ds
+
+
 class PrepareConfig(BaseModel):
     """Where the conversations come from and how they become verifier tokens."""
 

@@ -7,6 +7,7 @@ or a report; not a plotting library.
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 import zlib
@@ -169,10 +170,10 @@ def line_chart(path: str | Path, series: dict[str, list[tuple[float, float]]], t
     xs = [x for v in pts.values() for x, _ in v] or [0.0, 1.0]
     ys = [y for v in pts.values() for _, y in v] or [0.0, 1.0]
     c = _Canvas(width, height)
-    to_px, (left, right, top, bottom) = _axes(c, title, xlabel, ylabel, (min(xs), max(xs)), (min(ys), max(ys)))
+    to_px, (_left, right, top, _bottom) = _axes(c, title, xlabel, ylabel, (min(xs), max(xs)), (min(ys), max(ys)))
     for i, (name, v) in enumerate(pts.items()):
         rgb = _PALETTE[i % len(_PALETTE)]
-        for (x0, y0), (x1, y1) in zip(v, v[1:]):
+        for (x0, y0), (x1, y1) in itertools.pairwise(v):
             c.line(*to_px(x0, y0), *to_px(x1, y1), rgb, thick=2)
         if len(v) == 1:
             px, py = to_px(*v[0])
@@ -188,7 +189,7 @@ def bar_chart(path: str | Path, labels: list[str], values: list[float], title: s
     """Vertical bars with their value printed above each bar; the y axis starts at 0."""
     vals = [float(v) if math.isfinite(float(v)) else 0.0 for v in values]
     c = _Canvas(width, height)
-    to_px, (left, right, top, bottom) = _axes(c, title, "", ylabel, None, (0.0, max(vals + [1e-9])))
+    to_px, (left, right, _top, bottom) = _axes(c, title, "", ylabel, None, (0.0, max(vals + [1e-9])))
     n = max(1, len(vals))
     slot = (right - left) / n
     for i, (label, v) in enumerate(zip(labels, vals)):

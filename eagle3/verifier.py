@@ -38,7 +38,7 @@ class VerifierSpec:
     nested: bool  # True when config.json wraps the language model in `text_config`
 
     @classmethod
-    def from_path(cls, path: str | Path) -> "VerifierSpec":
+    def from_path(cls, path: str | Path) -> VerifierSpec:
         path = Path(path)
         cfg_file = path / "config.json"
         if not path.is_dir():
@@ -92,7 +92,7 @@ def weight_map(path: str | Path) -> dict[str, str]:
     single = path / "model.safetensors"
     if single.is_file():
         with safe_open(str(single), framework="pt") as f:
-            return {k: single.name for k in f.keys()}
+            return dict.fromkeys(list(f.keys()), single.name)
     raise VerifierError(f"no safetensors weights in {path} (expected model.safetensors or model.safetensors.index.json)")
 
 

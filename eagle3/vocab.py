@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from eagle3.data import load_prepared
 from eagle3.io import atomic_path, atomic_write_json
 
 log = logging.getLogger("eagle3")
@@ -54,21 +55,7 @@ class VocabConfig(BaseModel):
 
 
 def _open_dataset(dataset_dir: str | Path):
-    import datasets
-
-    dataset_dir = Path(dataset_dir)
-    if not dataset_dir.is_dir():
-        raise VocabError(f"dataset folder not found: {dataset_dir} (expected datasets.Dataset.save_to_disk output)")
-    try:
-        ds = datasets.load_from_disk(str(dataset_dir))
-    except (OSError, ValueError) as e:  # FileNotFoundError, ArrowInvalid, ... for broken folders
-        raise VocabError(f"cannot open dataset {dataset_dir}: {e}") from None
-    if not isinstance(ds, datasets.Dataset):
-        raise VocabError(f"{dataset_dir} holds a DatasetDict; pass the folder of one split")
-    missing = {"input_ids", "loss_mask"} - set(ds.column_names)
-    if missing:
-        raise VocabError(f"dataset {dataset_dir} lacks column(s) {sorted(missing)} (has {ds.column_names})")
-    return ds.select_columns(["input_ids", "loss_mask"])
+    return load_prepared(dataset_dir, ("input_ids", "loss_mask"), VocabError).select_columns(["input_ids", "loss_mask"])
 
 
 def count_assistant_tokens(

@@ -13,7 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+
+# the library logs through the "eagle3" logger (progress lines, OOM halvings, skipped rows): route it into Prefect's
+# handlers so it reaches the console and the run's logs in the UI. Deployments set it in prefect.yaml's job env.
+os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "eagle3")
 
 from prefect import flow
 
@@ -46,7 +51,7 @@ def _front(config: PipelineConfig, s: dict) -> tuple[dict, dict, dict]:
     return inputs, data, plan
 
 
-@flow(name="eagle3-pipeline", flow_run_name="{config.run_name}", log_prints=True)
+@flow(name="eagle3-pipeline", flow_run_name="{config.run_name}")
 def eagle3_pipeline(config: PipelineConfig = DEFAULT_CONFIG) -> dict:
     """Chat data + verifier -> trained EAGLE-3 draft, validated in vLLM. Every stage is cached by content."""
     s = _stages(config)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from eagle3.data import load_prepared
 from eagle3.extract import hf_backend
 from eagle3.extract.batching import Batch, TokenBudgetBatcher, pad_right
 from eagle3.extract.config import ExtractConfig
@@ -107,21 +108,10 @@ def check_aux_layer_ids(spec: VerifierSpec, ids: list[int] | None) -> list[int]:
 
 def open_dataset(dataset_dir: str | Path, vocab_size: int | None = None):
     """(dataset with input_ids + loss_mask, tokens per sample as a list). Raises ExtractError naming the problem."""
-    import datasets
     import pyarrow.compute as pc
 
     path = Path(dataset_dir)
-    if not path.is_dir():
-        raise ExtractError(f"dataset folder {path} does not exist (expected datasets.save_to_disk output)")
-    try:
-        ds = datasets.load_from_disk(str(path))
-    except (FileNotFoundError, ValueError) as e:
-        raise ExtractError(f"dataset folder {path} is not a saved datasets.Dataset: {e}") from None
-    if isinstance(ds, datasets.DatasetDict):
-        raise ExtractError(f"dataset folder {path} holds a DatasetDict ({list(ds)}); pass one split's folder")
-    missing = [c for c in ("input_ids", "loss_mask") if c not in ds.column_names]
-    if missing:
-        raise ExtractError(f"dataset {path} lacks column(s) {missing} (has {ds.column_names}); run the data stage")
+    ds = load_prepared(path, ("input_ids", "loss_mask"), ExtractError)
     if len(ds) == 0:
         raise ExtractError(f"dataset {path} has no samples")
     ds = ds.select_columns(["input_ids", "loss_mask"])

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from safetensors.torch import save as safetensors_save
 
-from eagle3.io import atomic_write_json, atomic_write_text, sha256_file
+from eagle3.io import atomic_write_bytes, atomic_write_json, atomic_write_text, sha256_file
 
 FORMAT = "eagle3-hidden-states/1"
 STORE_JSON = "store.json"
@@ -201,19 +201,7 @@ def serialize_sample(
 def write_sample_bytes(store_dir: Path, index: int, data: bytes, tokens: int, group_size: int) -> dict[str, Any]:
     """Write one serialized sample to its final name (temp + fsync + rename); returns its manifest entry."""
     rel = sample_relpath(index, group_size)
-    final = store_dir / rel
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.{os.getpid()}{TMP_SUFFIX}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    atomic_write_bytes(store_dir / rel, data)  # temp ".sample_<i>.safetensors.<random>.tmp", then rename
     return {"index": int(index), "file": rel, "tokens": int(tokens), "sha256": hashlib.sha256(data).hexdigest(),
             "bytes": len(data)}
 
