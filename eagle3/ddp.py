@@ -3,7 +3,8 @@
 Pipeline position: part of **train** (eagle3.train calls ``launch`` when ``nproc > 1``).
 
 The parent writes the job (settings + paths) to ``<out_dir>/launch.json``, starts torchrun with ``nproc`` workers
-(``--standalone``: one node, a free rendezvous port), mirrors their output into the log and ``<out_dir>/torchrun.log``
+(``--standalone``: one node, a free rendezvous port) through ``eagle3.subproc`` (own process group, reaped on
+cancellation), mirrors their output into the log (its last lines also into ``<out_dir>/torchrun.log``)
 and reads rank 0's result. Each worker joins the process group (gloo on cpu, nccl on cuda) and runs the same
 ``eagle3.train.run_local`` as a single process; the global batch is split over the workers, so the run computes the
 same losses as one process with the same ``batch_size``. A worker's bad-input error is re-raised in the parent with
@@ -15,14 +16,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import sys
-from collections import deque
 from pathlib import Path
 from typing import Any
 
 from eagle3.envs import REPO_ROOT
-from eagle3.io import atomic_write_json
+from eagle3.io import atomic_write_json, atomic_write_text
+from eagle3.subproc import run_subprocess
 
 log = logging.getLogger("eagle3")
 
@@ -49,22 +49,17 @@ def launch(cfg, store_dir: str | Path, vocab_path: str | Path, verifier_path: st
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
     log.info("[train] launching %d workers (%s): %s", cfg.nproc, cfg.parallel, " ".join(cmd))
-    tail: deque[str] = deque(maxlen=40)
-    with open(out_dir / LOG, "w") as logf, subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(REPO_ROOT)
-    ) as proc:
-        for line in proc.stdout:
-            logf.write(line)
-            logf.flush()
-            tail.append(line.rstrip())
-            log.info("%s", line.rstrip())
-        rc = proc.wait()
+    # own process group under a guard: a cancelled flow (even SIGKILLed) leaves no worker holding a GPU
+    result = run_subprocess(cmd, env=env, log_prefix="[torchrun] ", cwd=REPO_ROOT)
+    atomic_write_text(out_dir / LOG, result.stdout)
+    rc = result.returncode
     err = out_dir / ERROR
     if err.is_file():
         info = json.loads(err.read_text())
         raise TrainError(info["message"])
     if rc != 0 or not (out_dir / RESULT).is_file():
-        raise RuntimeError(f"torchrun training workers failed (exit code {rc}); last output:\n" + "\n".join(tail))
+        raise RuntimeError(f"torchrun training workers failed (exit code {rc}); last output:\n"
+                           + "\n".join(result.stdout.splitlines()[-40:]))
     return json.loads((out_dir / RESULT).read_text())
 
 
