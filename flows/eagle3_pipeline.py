@@ -22,6 +22,8 @@ os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "eagle3")
 
 from prefect import flow
 
+logging.getLogger("eagle3").setLevel(logging.INFO)  # progress lines are INFO; Prefect's root logger is at WARNING
+
 from eagle3.config import PipelineConfig, load_config, parse_set, preset_names
 from tasks.capacity import plan_capacity_task
 from tasks.common import describe_inputs, result_storage_block, run_stage
@@ -30,6 +32,11 @@ from tasks.prepare import prepare_data
 from tasks.train import train_draft_task
 from tasks.validate import validate_draft_task
 from tasks.vocab import build_vocab_task
+
+
+class DraftValidationFailed(RuntimeError):
+    """The trained draft did not pass validation; the message names the checkpoint, the reasons and the report."""
+
 
 # the flow-run form's defaults: the tiny preset (checkout-relative paths, so the default is portable)
 DEFAULT_CONFIG = load_config("tiny")
@@ -63,9 +70,13 @@ def eagle3_pipeline(config: PipelineConfig = DEFAULT_CONFIG) -> dict:
                      vocab=vocab, run_dir=config.run_dir)
     report = run_stage(s["validate-draft"], cfg=config.validate_config, inputs=inputs, checkpoint=ckpt,
                        run_dir=config.run_dir)
-    return {"run_dir": config.run_dir, "checkpoint": ckpt["best_dir"], "report": report["paths"].get("report_md"),
-            "verdict": report["verdict"], "mean_acceptance_length": report.get("mean_acceptance_length"),
-            "untrained_mean_acceptance_length": report.get("untrained_mean_acceptance_length")}
+    summary = {"run_dir": config.run_dir, "checkpoint": ckpt["best_dir"], "report": report["paths"].get("report_md"),
+               "verdict": report["verdict"], "mean_acceptance_length": report.get("mean_acceptance_length"),
+               "untrained_mean_acceptance_length": report.get("untrained_mean_acceptance_length")}
+    if report["verdict"] != "pass":  # the run ends Failed (alerts fire), after every artifact and report exists
+        raise DraftValidationFailed(f"the draft {ckpt['best_dir']} failed validation: {'; '.join(report['reasons'])} "
+                                    f"(report: {summary['report']})")
+    return summary
 
 
 @flow(name="eagle3-extract", flow_run_name="{config.run_name}-extract-{shard_start}")
@@ -95,10 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(args.preset, parse_set(args.set))
-    result = eagle3_pipeline(config)
+    try:
+        result = eagle3_pipeline(config)
+    except DraftValidationFailed as e:
+        print(f"\nFAILED: {e}")
+        return 1
     print("\n" + json.dumps(result, indent=2))
     print(f"\nDraft checkpoint (vLLM-ready): {result['checkpoint']}\nValidation report: {result['report']}")
-    return 0 if result["verdict"] == "pass" else 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -48,7 +48,9 @@ def test_flow_caches_by_content(harness, tiny_llama_verifier, tmp_path):
     shutil.copy(BUNDLED_DATA / "eval.openai.jsonl", data)
     base = {"verifier_path": str(tiny_llama_verifier), "runs_dir": str(tmp_path / "runs"),
             "data": {"sources": [str(data)], "max_samples": 24}, "vocab": {"draft_vocab_size": 256},
-            "train": {"epochs": 1, "batch_size": 4}, "validate": {"run_vllm": False}}
+            "train": {"epochs": 1, "batch_size": 4},
+            "validate": {"run_vllm": False, "compare_untrained": False, "offline_reference": False,
+                         "min_mean_acceptance_length": None}}
 
     def run(overrides=None):
         state = eagle3_pipeline(load_config("tiny", {**base, **(overrides or {})}), return_state=True)
