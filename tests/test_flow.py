@@ -127,3 +127,22 @@ def test_config_reference_is_up_to_date():
     from eagle3.config_reference import render
 
     assert (REPO / "docs" / "CONFIG.md").read_text() == render(), "run: python -m eagle3.config_reference > docs/CONFIG.md"
+
+
+@pytest.mark.vllm
+def test_failed_validation_fails_the_flow_run_after_writing_the_report(harness, tiny_llama_verifier, tmp_path):
+    """The conftest tiny Llama has head_dim 16, which vLLM's CPU attention cannot run: a real vLLM failure that
+    becomes a 'fail' verdict, and the run must end Failed (alerts fire) with the report on disk."""
+    from flows.eagle3_pipeline import eagle3_pipeline
+
+    config = load_config("tiny", {
+        "verifier_path": str(tiny_llama_verifier), "runs_dir": str(tmp_path / "runs"),
+        "data": {"sources": [str(BUNDLED_DATA / "eval.openai.jsonl")], "max_samples": 16},
+        "vocab": {"draft_vocab_size": 256}, "train": {"epochs": 1, "batch_size": 4},
+        "validate": {"num_prompts": 1, "max_new_tokens": 4, "compare_untrained": False, "offline_reference": False}})
+    state = eagle3_pipeline(config, return_state=True)
+    assert state.is_failed()
+    message = str(state.message)
+    assert "failed validation" in message and "[vllm_failed]" in message
+    report = Path(message.rsplit("(report: ", 1)[1].rstrip(")"))
+    assert report.is_file() and "FAIL" in report.read_text()
