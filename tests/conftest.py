@@ -125,3 +125,12 @@ def bundled_verifier() -> Path:
     if not (BUNDLED_VERIFIER / "model.safetensors").exists():
         pytest.fail(f"bundled verifier missing at {BUNDLED_VERIFIER}: run scripts/build_tiny_verifier.py")
     return BUNDLED_VERIFIER
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models run fastest on one thread (OpenMP sync dominates on 2 busy cores)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -30,13 +30,7 @@ EVAL = REPO / "data" / "stdlib-chat" / "eval.openai.jsonl"
 TOKENIZER = REPO / "models" / "tiny-chat-verifier"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny models run fastest on one thread (OpenMP sync dominates on 2 busy cores)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _jsonl(path: Path, records: list[dict]) -> Path:

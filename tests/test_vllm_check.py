@@ -29,7 +29,7 @@ from eagle3.validate import ValidateConfig, run_vllm_check, validate_draft
 from eagle3.verifier import VerifierSpec
 from eagle3.vllm_check import AcceptanceStats, load_tokenizer, prompt_token_ids, read_prompt_messages, stop_token_ids
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_torch_thread")]
 
 REPO = Path(__file__).resolve().parent.parent
 EVAL = REPO / "data" / "stdlib-chat" / "eval.openai.jsonl"
@@ -43,15 +43,6 @@ TRAIN_EPOCHS = 2  # 34 optimizer steps of 8 x 512 tokens: ~2 minutes on 2 CPU co
 # draft 1.029, offline reference 1.614 (identical counters). Pinned ~10% below the measurement.
 MIN_MEAN_ACCEPTANCE_LENGTH = 1.45
 MIN_GAIN_OVER_UNTRAINED = 0.3  # tokens per verifier step (measured 0.585)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny models run fastest on one thread (OpenMP sync dominates on 2 busy cores)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module", autouse=True)
