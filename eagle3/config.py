@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eagle3.capacity import CapacityConfig
 from eagle3.data import PrepareConfig
-from eagle3.envs import REPO_ROOT
+from eagle3.envs import REPO_ROOT, resolve_path
 from eagle3.extract.config import ExtractConfig
 from eagle3.train import TrainConfig
 from eagle3.validate import ValidateConfig
@@ -145,16 +145,6 @@ class PipelineConfig(BaseModel):
         if self.result_storage:
             return resolve_path(self.result_storage, must_exist=False)
         return str(Path(resolve_path(self.runs_dir, must_exist=False)) / ".prefect-results")
-
-
-def resolve_path(p: str, must_exist: bool = True) -> str:
-    """Relative paths mean relative to the checkout (presets ship repo-relative paths); URLs and ids pass through."""
-    if "://" in p or Path(p).is_absolute():
-        return p
-    in_repo = REPO_ROOT / p
-    if in_repo.exists() or not must_exist:
-        return str(in_repo)
-    return p  # e.g. a Hugging Face dataset id
 
 
 def deep_merge(base: dict, override: dict) -> dict:

@@ -11,6 +11,16 @@ BUNDLED_DATA = REPO_ROOT / "data" / "stdlib-chat"
 VLLM_PYTHON_ENV = "EAGLE3_VLLM_PYTHON"
 
 
+def resolve_path(p: str | os.PathLike, must_exist: bool = True) -> str:
+    """Relative paths mean relative to the checkout (presets ship checkout-relative paths, portable between
+    machines); URLs, absolute paths and names that are not in the checkout (e.g. a Hugging Face id) pass through."""
+    p = str(p)
+    if "://" in p or Path(p).is_absolute():
+        return p
+    in_repo = REPO_ROOT / p
+    return str(in_repo) if in_repo.exists() or not must_exist else p
+
+
 def vllm_python(explicit: str | None = None) -> str:
     """The interpreter that has vLLM: ``explicit``, else $EAGLE3_VLLM_PYTHON, else <repo>/.venv-vllm/bin/python."""
     candidate = explicit or os.environ.get(VLLM_PYTHON_ENV) or str(REPO_ROOT / ".venv-vllm" / "bin" / "python")

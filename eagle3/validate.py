@@ -32,7 +32,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors import safe_open
 
-from eagle3.envs import REPO_ROOT, vllm_python, vllm_subprocess_env
+from eagle3.envs import REPO_ROOT, resolve_path, vllm_python, vllm_subprocess_env
 from eagle3.io import atomic_write_json, atomic_write_text, sha256_file
 from eagle3.subproc import SubprocessFailed, run_subprocess
 from eagle3.verifier import VerifierError, VerifierSpec
@@ -464,12 +464,6 @@ def validate_checkpoint(draft_dir: str | os.PathLike, verifier_path: str | os.Pa
 # ----------------------------------------------------------------------------- 2. vLLM check
 
 
-def resolve_path(p: str | os.PathLike) -> Path:
-    """Relative paths that do not exist from the working directory are taken relative to the checkout."""
-    p = Path(p)
-    return p if p.is_absolute() or p.exists() else REPO_ROOT / p
-
-
 def run_vllm_check(cfg: ValidateConfig, verifier_path: str | os.PathLike, draft_dirs: list[str | os.PathLike],
                    prompts_path: str | os.PathLike, work_dir: str | os.PathLike) -> dict[str, Any]:
     """Run eagle3.vllm_check in the vLLM interpreter for each draft (one subprocess, one baseline run).
@@ -483,7 +477,7 @@ def run_vllm_check(cfg: ValidateConfig, verifier_path: str | os.PathLike, draft_
     out.unlink(missing_ok=True)
     args = {
         "verifier": str(Path(verifier_path).resolve()), "drafts": [str(Path(d).resolve()) for d in draft_dirs],
-        "prompts_path": str(resolve_path(prompts_path).resolve()), "num_prompts": cfg.num_prompts,
+        "prompts_path": str(Path(resolve_path(prompts_path)).resolve()), "num_prompts": cfg.num_prompts,
         "max_new_tokens": cfg.max_new_tokens, "num_speculative_tokens": cfg.num_speculative_tokens,
         "tensor_parallel_size": cfg.tensor_parallel_size, "dtype": cfg.dtype, "max_model_len": cfg.max_model_len,
         "gpu_memory_utilization": cfg.gpu_memory_utilization, "enforce_eager": cfg.enforce_eager,
@@ -528,7 +522,7 @@ def validate_draft(cfg: ValidateConfig, draft_dir: str | os.PathLike, verifier_p
     ``structural``, ``vllm`` (acceptance, lossless, timings), ``offline`` and ``paths``.
     """
     out_dir = Path(out_dir)
-    prompts_path = resolve_path(prompts_path or cfg.prompts_path)
+    prompts_path = Path(resolve_path(prompts_path or cfg.prompts_path))
     reasons: list[str] = []
     report: dict[str, Any] = {"format": "eagle3-validation/1", "draft_dir": str(draft_dir),
                               "verifier_path": str(verifier_path), "prompts_path": str(prompts_path),

@@ -25,8 +25,9 @@ from prefect import flow
 logging.getLogger("eagle3").setLevel(logging.INFO)  # progress lines are INFO; Prefect's root logger is at WARNING
 
 from eagle3.config import PipelineConfig, load_config, parse_set, preset_names
+from eagle3.envs import resolve_path
 from tasks.capacity import plan_capacity_task
-from tasks.common import describe_inputs, result_storage_block, run_stage
+from tasks.common import describe_file, describe_inputs, result_storage_block, run_stage
 from tasks.extract import extract_hidden_states_task
 from tasks.prepare import prepare_data
 from tasks.train import train_draft_task
@@ -68,8 +69,9 @@ def eagle3_pipeline(config: PipelineConfig = DEFAULT_CONFIG) -> dict:
     vocab = run_stage(s["build-vocab"], cfg=config.vocab, inputs=inputs, data=data, run_dir=config.run_dir)
     ckpt = run_stage(s["train-draft"], cfg=config.train_config(), host=config.host, inputs=inputs, store=store,
                      vocab=vocab, run_dir=config.run_dir)
+    prompts = describe_file(resolve_path(config.validate_config.prompts_path))
     report = run_stage(s["validate-draft"], cfg=config.validate_config, inputs=inputs, checkpoint=ckpt,
-                       run_dir=config.run_dir)
+                       prompts=prompts, run_dir=config.run_dir)
     summary = {"run_dir": config.run_dir, "checkpoint": ckpt["best_dir"], "report": report["paths"].get("report_md"),
                "verdict": report["verdict"], "mean_acceptance_length": report.get("mean_acceptance_length"),
                "untrained_mean_acceptance_length": report.get("untrained_mean_acceptance_length")}

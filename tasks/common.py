@@ -129,6 +129,12 @@ def describe_inputs(verifier_path: str, sources: list[str]) -> dict:
             "sources_fingerprint": sources_fp, "fingerprint": sha256_json([verifier_fp, sources_fp])}
 
 
+@task(name="describe-file")
+def describe_file(path: str) -> dict:
+    """Content fingerprint of one side input (e.g. the validation prompts), for the stages that read it."""
+    return {"path": path, "fingerprint": fingerprint_sources([path])}
+
+
 # ---------------------------------------------------------------- OOM-only retries
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from prefect import task
 
 from eagle3.io import sha256_file, sha256_json
-from eagle3.validate import ValidateConfig, resolve_path, validate_draft
+from eagle3.validate import ValidateConfig, validate_draft
 from tasks import artifacts
 from tasks.common import cache_key, stage_dir
 
@@ -69,12 +69,11 @@ def validate_checkpoint_task(cfg: ValidateConfig, draft_dir: str, verifier_path:
 
 
 @task(name="validate-draft", cache_key_fn=cache_key, persist_result=True, result_serializer="json")
-def validate_draft_task(cfg: ValidateConfig, inputs: dict, checkpoint: dict, run_dir: str) -> dict:
-    """The pipeline stage: the train manifest's ``best_dir`` against ``inputs["verifier_path"]``."""
-    cfg = ValidateConfig.model_validate(cfg)
-    prompts = resolve_path(cfg.prompts_path)
-    key = {"cfg": cfg, "inputs": inputs, "checkpoint": checkpoint, "run_dir": run_dir,
-           "prompts": sha256_file(prompts) if prompts.is_file() else str(prompts)}
-    out_dir = stage_dir(run_dir, "validate-draft", key)
-    manifest = validate_checkpoint_task.fn(cfg, checkpoint["best_dir"], inputs["verifier_path"], None, str(out_dir))
+def validate_draft_task(cfg: ValidateConfig, inputs: dict, checkpoint: dict, prompts: dict, run_dir: str) -> dict:
+    """The pipeline stage: the train manifest's ``best_dir`` against ``inputs["verifier_path"]`` on the prompts of
+    ``describe_file(<prompts path>)`` (its fingerprint keys the cache, so edited prompts are re-validated)."""
+    out_dir = stage_dir(run_dir, "validate-draft", {"cfg": cfg, "inputs": inputs, "checkpoint": checkpoint,
+                                                    "prompts": prompts, "run_dir": run_dir})
+    manifest = validate_checkpoint_task.fn(ValidateConfig.model_validate(cfg), checkpoint["best_dir"],
+                                           inputs["verifier_path"], prompts["path"], str(out_dir))
     return {**manifest, "fingerprint": sha256_json([manifest["fingerprint"], checkpoint.get("fingerprint")])}

@@ -46,11 +46,13 @@ def test_flow_caches_by_content(harness, tiny_llama_verifier, tmp_path):
 
     data = tmp_path / "chats.jsonl"
     shutil.copy(BUNDLED_DATA / "eval.openai.jsonl", data)
+    prompts = tmp_path / "prompts.jsonl"
+    shutil.copy(BUNDLED_DATA / "eval.openai.jsonl", prompts)
     base = {"verifier_path": str(tiny_llama_verifier), "runs_dir": str(tmp_path / "runs"),
             "data": {"sources": [str(data)], "max_samples": 24}, "vocab": {"draft_vocab_size": 256},
             "train": {"epochs": 1, "batch_size": 4},
             "validate": {"run_vllm": False, "compare_untrained": False, "offline_reference": False,
-                         "min_mean_acceptance_length": None}}
+                         "min_mean_acceptance_length": None, "prompts_path": str(prompts)}}
 
     def run(overrides=None):
         state = eagle3_pipeline(load_config("tiny", {**base, **(overrides or {})}), return_state=True)
@@ -68,6 +70,10 @@ def test_flow_caches_by_content(harness, tiny_llama_verifier, tmp_path):
 
     lr, _ = run({"train": {"epochs": 1, "batch_size": 4, "lr": 1e-3}})
     assert [lr[s] for s in STAGES] == ["Cached"] * 4 + ["Completed"] * 2, lr
+
+    prompts.write_text("\n".join(prompts.read_text().splitlines()[::-1]) + "\n")  # same path, new content
+    edited, _ = run()
+    assert [edited[s] for s in STAGES] == ["Cached"] * 5 + ["Completed"], edited
 
     with data.open("a") as f:  # new content in the same file: everything reruns
         f.write(json.dumps({"messages": [{"role": "user", "content": "What does len do?"},

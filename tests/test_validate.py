@@ -368,7 +368,11 @@ def test_task_structural_only_pass_and_fail(good, tiny_llama_verifier, tmp_path)
 def test_pipeline_stage_task_writes_into_its_stage_folder(good, tiny_llama_verifier, tmp_path):
     inputs = {"verifier_path": str(tiny_llama_verifier), "fingerprint": "f" * 64}
     ckpt = {"best_dir": str(good), "fingerprint": "c" * 64}
-    m = validate_draft_task.fn(ValidateConfig(run_vllm=False), inputs, ckpt, str(tmp_path / "run"))
+    from eagle3.envs import BUNDLED_DATA
+    from tasks.common import describe_file
+
+    prompts = describe_file.fn(str(BUNDLED_DATA / "eval.openai.jsonl"))
+    m = validate_draft_task.fn(ValidateConfig(run_vllm=False), inputs, ckpt, prompts, str(tmp_path / "run"))
     assert Path(m["out_dir"]).parent == tmp_path / "run" and Path(m["out_dir"]).name.startswith("validate-draft-")
     assert m["verdict"] == "pass" and Path(m["paths"]["report_md"]).is_file()
 
