@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from eagle3.data import load_prepared
 from eagle3.io import atomic_write_json
 from eagle3.progress import fmt_duration
-from eagle3.verifier import VerifierSpec, torch_dtype
+from eagle3.verifier import VerifierSpec
 
 log = logging.getLogger("eagle3")
 
@@ -242,7 +242,10 @@ def free_space(dest: str | os.PathLike) -> tuple[int | None, str | None, str | N
 def _weight_bytes(spec: VerifierSpec) -> int | None:
     index = spec.path / "model.safetensors.index.json"
     if index.is_file():
-        total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+        try:
+            total = (json.loads(index.read_text()).get("metadata") or {}).get("total_size")
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise CapacityError(f"verifier weight index {index} is unreadable ({type(e).__name__}: {e})") from None
         if total:
             return int(total)
     files = list(spec.path.glob("*.safetensors"))
@@ -265,7 +268,6 @@ def plan_capacity(
     spec = VerifierSpec.from_path(verifier_path)
     aux = [int(k) for k in aux_layer_ids]
     spec.check_aux_layer_ids(aux)
-    torch_dtype(cfg.store_dtype)  # one vocabulary of dtype names with the rest of the pipeline
     if max_seq_len <= 0:
         raise CapacityError(f"max_seq_len must be a positive number of tokens, got {max_seq_len}")
     lengths = sample_lengths(dataset) if isinstance(dataset, (str, Path)) else np.asarray(dataset, dtype=np.int64)

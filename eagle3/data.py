@@ -271,7 +271,9 @@ def _file_rows(fs: Any, path: str, source: str) -> Iterator[dict | BadRow]:
     text = data.decode("utf-8", errors="surrogateescape")
     try:
         doc = json.loads(text)
-    except json.JSONDecodeError:
+    except json.JSONDecodeError as e:
+        if text.lstrip().startswith("["):  # a broken JSON array is one error, not N invalid rows
+            raise DataError(f"source {source!r}: {path} is not valid JSON ({e})") from None
         yield from _jsonl_rows(iter(data.splitlines()))  # JSON lines in a .json file, as datasets accepts
         return
     if isinstance(doc, dict) and ("messages" in doc or "conversations" in doc):
@@ -286,6 +288,8 @@ def _hf_rows(spec: str, default_split: str, source: str) -> Iterator[dict]:
     import datasets
 
     m = _HF_SPEC.match(spec)
+    if m is None:
+        raise DataError(f"source {source!r}: no dataset name (write hf:<id or local path>[:split])")
     name, split = m["name"], m["split"] or default_split
     try:
         ds = datasets.load_dataset(name, split=split)
@@ -594,15 +598,14 @@ def prepare_dataset(cfg: PrepareConfig | dict, out_dir: str | Path, on_update=No
 
     parts: list[_SourcePart] = []
     rows: Iterator[tuple[int, dict | BadRow]] = iter_rows(cfg.sources, cfg.hf_split, parts)
-    lazy = cfg.max_samples is not None and cfg.shuffle_seed is None  # read only as many rows as needed
+    lazy = cfg.shuffle_seed is None  # stream rows; only a shuffle needs them all in memory
     if not lazy:
         materialised = list(rows)
-        if cfg.shuffle_seed is not None:
-            random.Random(cfg.shuffle_seed).shuffle(materialised)
+        random.Random(cfg.shuffle_seed).shuffle(materialised)
         rows = iter(materialised)
-    # progress counts kept samples when reading lazily (the row count is unknown), rows otherwise
-    progress = Progress("data", cfg.max_samples if lazy else len(materialised), unit="samples" if lazy else "rows",
-                        every_s=30.0, on_update=on_update)
+    # progress counts kept samples when streaming (the row count is unknown: total 0 = open-ended), rows otherwise
+    progress = Progress("data", (cfg.max_samples or 0) if lazy else len(materialised),
+                        unit="samples" if lazy else "rows", every_s=30.0, on_update=on_update)
 
     tally = _Tally()
     kept = _Kept()

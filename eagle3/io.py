@@ -100,8 +100,9 @@ def fingerprint_paths(paths: Iterable[str | os.PathLike], skip_suffixes: tuple[s
     for root in sorted(Path(p) for p in paths):
         files = [root] if root.is_file() else sorted(f for f in root.rglob("*") if f.is_file())
         for f in files:
-            if f.name.endswith(skip_suffixes) or any(part.startswith(".") for part in f.relative_to(root.parent).parts):
+            rel = f.relative_to(root.parent if root.is_file() else root)  # hidden entries BELOW the root are skipped
+            if f.name.endswith(skip_suffixes) or (root.is_dir() and any(p.startswith(".") for p in rel.parts)):
                 continue
-            h.update(str(f.relative_to(root.parent if root.is_file() else root)).encode())
+            h.update(str(rel).encode())
             h.update(sha256_file(f).encode())
     return h.hexdigest()

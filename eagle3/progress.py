@@ -4,6 +4,7 @@ A line reads, e.g.::
 
     [extract] samples 120/1000 (12.0%) | tokens 61,440 | 2,512 tok/s | elapsed 0:00:24 | ETA 0:02:55
 
+A ``total`` of 0 means unknown (a stream): lines then show the count without a percentage or ETA.
 ``on_update`` lets a caller (a Prefect task) mirror progress elsewhere without this module importing Prefect.
 """
 
@@ -48,13 +49,15 @@ class Progress:
         now = time.monotonic()
         due_n = self.every_n and self.done - self._last_n >= self.every_n
         due_s = self.every_s and now - self._last_t >= self.every_s
-        if due_n or due_s or self.done >= self.total:
+        if due_n or due_s or (self.total and self.done >= self.total):
             self.emit(extra)
 
     def line(self, extra: str = "") -> str:
         elapsed = time.monotonic() - self.start
-        pct = 100.0 * self.done / self.total if self.total else 100.0
-        parts = [f"[{self.stage}] {self.unit} {self.done:,}/{self.total:,} ({pct:.1f}%)"]
+        if self.total:
+            parts = [f"[{self.stage}] {self.unit} {self.done:,}/{self.total:,} ({100.0 * self.done / self.total:.1f}%)"]
+        else:  # total unknown (a stream)
+            parts = [f"[{self.stage}] {self.unit} {self.done:,}"]
         if self.tokens:
             parts.append(f"tokens {self.tokens:,}")
             parts.append(f"{self.tokens / elapsed:,.0f} tok/s" if elapsed > 0 else "- tok/s")

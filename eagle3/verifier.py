@@ -88,7 +88,10 @@ def weight_map(path: str | Path) -> dict[str, str]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        return dict(json.loads(index.read_text())["weight_map"])
+        try:
+            return dict(json.loads(index.read_text())["weight_map"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise VerifierError(f"verifier weight index {index} is unreadable ({type(e).__name__}: {e})") from None
     single = path / "model.safetensors"
     if single.is_file():
         with safe_open(str(single), framework="pt") as f:
@@ -106,10 +109,10 @@ def _match(names: list[str], tail: tuple[str, ...], what: str, path: Path) -> st
     return hits[0] if hits else None
 
 
-def find_tensor_names(path: str | Path) -> dict[str, str | None]:
+def find_tensor_names(path: str | Path, wmap: dict[str, str] | None = None) -> dict[str, str | None]:
     """Names of the embedding, the final norm and lm_head in a (sharded, possibly prefixed) checkpoint."""
     path = Path(path)
-    names = sorted(weight_map(path))
+    names = sorted(wmap if wmap is not None else weight_map(path))
     return {
         "embed_tokens": _match(names, ("embed_tokens", "weight"), "embedding", path),
         "norm": _match(names, ("norm", "weight"), "final norm", path),
@@ -117,15 +120,25 @@ def find_tensor_names(path: str | Path) -> dict[str, str | None]:
     }
 
 
-def read_tensor(path: str | Path, name: str, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Read one tensor (or only the given sorted ``rows`` of it) from the shard that holds it."""
+def read_tensor(path: str | Path, name: str, rows: torch.Tensor | None = None,
+                wmap: dict[str, str] | None = None) -> torch.Tensor:
+    """Read one tensor (or only the given strictly increasing ``rows`` of it) from the shard that holds it.
+    ``wmap`` (from ``weight_map``) saves re-reading the index when several tensors are read."""
     path = Path(path)
-    shard = path / weight_map(path)[name]
+    wmap = wmap if wmap is not None else weight_map(path)
+    if name not in wmap:
+        raise VerifierError(f"tensor {name} is not in the weights of {path}")
+    shard = path / wmap[name]
+    if not shard.is_file():
+        raise VerifierError(f"shard {shard} (holding {name}) is missing: an incomplete download?")
+    if rows is not None:
+        rows = rows.to(torch.long)
+        if len(rows) == 0 or bool((rows[1:] <= rows[:-1]).any()) or int(rows[0]) < 0:
+            raise VerifierError(f"rows of {name} must be non-empty, non-negative and strictly increasing")
     with safe_open(str(shard), framework="pt") as f:
         if rows is None:
             return f.get_tensor(name)
         sl = f.get_slice(name)
-        rows = rows.to(torch.long)
         # read contiguous runs of ids: the draft vocab is sorted, so runs are long and memory stays at draft size
         breaks = torch.nonzero(rows[1:] != rows[:-1] + 1).flatten() + 1
         starts = torch.cat([torch.tensor([0]), breaks]).tolist()
@@ -158,7 +171,8 @@ def load_verifier_head(
 ) -> VerifierHead:
     """Final norm + lm_head (rows = sorted draft-vocab target ids when given) + optionally the embedding."""
     spec = VerifierSpec.from_path(path)
-    names = find_tensor_names(path)
+    wmap = weight_map(path)  # parsed once: Kimi-K2.5's index lists ~100k tensors
+    names = find_tensor_names(path, wmap)
     if names["norm"] is None:
         raise VerifierError(f"final norm weight (…model.norm.weight) not found in {path}")
     lm_name = names["lm_head"] or (names["embed_tokens"] if spec.tie_word_embeddings else None)
@@ -169,10 +183,10 @@ def load_verifier_head(
     if draft_token_ids is not None and int(draft_token_ids.max()) >= spec.vocab_size:
         raise VerifierError(f"draft token id {int(draft_token_ids.max())} >= verifier vocab_size {spec.vocab_size}")
     return VerifierHead(
-        norm_weight=read_tensor(path, names["norm"]).float(),
+        norm_weight=read_tensor(path, names["norm"], wmap=wmap).float(),
         rms_norm_eps=spec.rms_norm_eps,
-        lm_head=read_tensor(path, lm_name, rows=draft_token_ids).float(),
-        embed_tokens=read_tensor(path, names["embed_tokens"]).float() if with_embedding else None,
+        lm_head=read_tensor(path, lm_name, rows=draft_token_ids, wmap=wmap).float(),
+        embed_tokens=read_tensor(path, names["embed_tokens"], wmap=wmap).float() if with_embedding else None,
     )
 
 
