@@ -32,8 +32,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from eagle3.io import atomic_path, atomic_write_json
-from eagle3.model import DraftConfig, DraftConfigError, Eagle3Draft
-from eagle3.verifier import load_verifier_head, torch_dtype
+from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.verifier import find_tensor_names, read_tensor, torch_dtype
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -138,7 +138,10 @@ def load_draft(folder: str | os.PathLike, verifier_path: str | os.PathLike | Non
         if not verifier_path:
             raise CheckpointError(f"{weights} has no embed_tokens.weight and no verifier path was given "
                                   f"(nor found in {folder / RUN_INFO})")
-        tensors["embed_tokens.weight"] = load_verifier_head(verifier_path, torch.arange(1)).embed_tokens
+        embed = find_tensor_names(verifier_path)["embed_tokens"]
+        if embed is None:
+            raise CheckpointError(f"{weights} has no embed_tokens.weight and the verifier {verifier_path} has none")
+        tensors["embed_tokens.weight"] = read_tensor(verifier_path, embed).float()
     missing, unexpected = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
     if missing or unexpected:
         raise CheckpointError(f"{weights}: missing tensors {missing}, unexpected tensors {unexpected}")
@@ -149,13 +152,6 @@ def load_draft(folder: str | os.PathLike, verifier_path: str | os.PathLike | Non
     draft.load_state_dict({k: (v if k in BUFFERS else v.float()) for k, v in tensors.items()})
     draft.embed_tokens.weight.requires_grad_(False)
     return draft.to(device=device, dtype=dtype) if dtype != torch.float32 else draft.to(device)
-
-
-def read_run_info(folder: str | os.PathLike) -> dict[str, Any]:
-    path = Path(folder) / RUN_INFO
-    if not path.is_file():
-        raise CheckpointError(f"run info not found: {path}")
-    return json.loads(path.read_text())
 
 
 # ----------------------------------------------------------------------------- epochs, best, keep_last_n
@@ -272,9 +268,3 @@ def load_trainer_state(folder: str | os.PathLike) -> dict[str, Any]:
         return _decode(skeleton["state"], tensors)
     except KeyError as e:
         raise CheckpointError(f"{meta} refers to tensor {e.args[0]} missing from {weights}") from None
-
-
-def check_same_config(a: DraftConfig, b: DraftConfig, where: str) -> None:
-    if a != b:
-        diff = [k for k in type(a).model_fields if getattr(a, k) != getattr(b, k)]
-        raise DraftConfigError(f"{where}: draft config differs from this run's in {diff}")

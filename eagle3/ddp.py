@@ -78,8 +78,8 @@ def main(job_path: str) -> None:
     try:
         run_local(cfg, job["store_dir"], job["vocab_path"], job["verifier_path"], job["out_dir"], job["resume"], d)
     except ValueError as e:  # bad input (TrainError, VocabError, ...): hand the message to the parent
-        if d.main:
-            atomic_write_json(Path(job["out_dir"]) / ERROR, {"type": type(e).__name__, "message": str(e)})
+        # any rank: the bad sample may sit in a bin only another rank loads (ranks writing at once: last one wins)
+        atomic_write_json(Path(job["out_dir"]) / ERROR, {"type": type(e).__name__, "message": str(e)})
         raise SystemExit(2) from (e if not isinstance(e, TrainError) else None)
     finally:
         dist.destroy_process_group()

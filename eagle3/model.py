@@ -449,6 +449,3 @@ class Eagle3Draft(nn.Module):
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocab ids -> target-vocab ids (d2t is an offset table)."""
         return ids + self.d2t[ids]
-
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        return {n: p for n, p in self.named_parameters() if p.requires_grad}

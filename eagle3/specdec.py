@@ -131,9 +131,6 @@ class OfflineResult:
     token_ids: list[list[int]]  # generated ids per prompt
     seconds: float
 
-    def to_dict(self) -> dict:
-        return {"acceptance": self.acceptance.to_dict(), "token_ids": self.token_ids, "seconds": self.seconds}
-
 
 def offline_acceptance(verifier_path: str | os.PathLike, draft_dir: str | os.PathLike,
                        prompts_path: str | os.PathLike, num_prompts: int, num_speculative_tokens: int,

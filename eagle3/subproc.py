@@ -157,6 +157,16 @@ def kill_process_tree(leader_pid: int, grace_s: float = 5.0) -> list[int]:
     return sorted(procs)
 
 
+def popen_guarded(cmd: Sequence[str], **popen_kwargs) -> subprocess.Popen:
+    """Start ``cmd`` in a new process group under the guard (the returned Popen is the guard, the group leader).
+
+    Callers that poll on their own use this directly and end the group with ``kill_process_tree(proc.pid)``.
+    File descriptors in ``pass_fds`` stay open in the guard: a lock held that way lives exactly as long as the group.
+    """
+    guard = [sys.executable, "-c", _GUARD_SOURCE, str(os.getpid()), *(str(a) for a in cmd)]
+    return subprocess.Popen(guard, stdin=subprocess.DEVNULL, start_new_session=True, **popen_kwargs)
+
+
 def run_subprocess(
     cmd: Sequence[str],
     env: Mapping[str, str] | None = None,
@@ -174,21 +184,10 @@ def run_subprocess(
     """
     logger = logger or log
     args = [str(a) for a in cmd]
-    guard = [sys.executable, "-c", _GUARD_SOURCE, str(os.getpid()), *args]
     tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
     start = time.monotonic()
-    proc = subprocess.Popen(
-        guard,
-        env=dict(env) if env is not None else None,
-        cwd=cwd,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        bufsize=1,
-        text=True,
-        errors="replace",
-    )
+    proc = popen_guarded(args, env=dict(env) if env is not None else None, cwd=cwd, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, bufsize=1, text=True, errors="replace")
 
     def pump() -> None:
         assert proc.stdout is not None

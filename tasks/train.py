@@ -29,8 +29,10 @@ def train_draft_task(cfg: TrainConfig, inputs: dict, store: dict, vocab: dict, r
                                                  "run_dir": run_dir}, tuple(RESUME_FREE))
     scale = attempt_batch_scale()
     per_step = cfg.batch_size // cfg.nproc  # packed sequences per process per optimizer step
-    if scale < 1.0 and per_step % (cfg.grad_accum_steps * 2) == 0:
-        cfg = cfg.model_copy(update={"grad_accum_steps": min(per_step, int(cfg.grad_accum_steps / scale))})
+    accum = cfg.grad_accum_steps
+    while accum < cfg.grad_accum_steps / scale and per_step % (accum * 2) == 0:  # keep it a divisor of per_step
+        accum *= 2
+    cfg = cfg.model_copy(update={"grad_accum_steps": accum})
     host = HostConfig.model_validate(host or {})
     progress = artifacts.ProgressArtifact("train-progress", "draft training")
     gpus = host.training_gpus if cfg.device != "cpu" else 0

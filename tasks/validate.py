@@ -74,6 +74,9 @@ def validate_draft_task(cfg: ValidateConfig, inputs: dict, checkpoint: dict, pro
     ``describe_file(<prompts path>)`` (its fingerprint keys the cache, so edited prompts are re-validated)."""
     out_dir = stage_dir(run_dir, "validate-draft", {"cfg": cfg, "inputs": inputs, "checkpoint": checkpoint,
                                                     "prompts": prompts, "run_dir": run_dir})
+    if not checkpoint.get("best_dir"):
+        raise ValueError(f"the train stage produced no checkpoint to validate (stopped_early="
+                         f"{checkpoint.get('stopped_early')}, out_dir={checkpoint.get('out_dir')})")
     manifest = validate_checkpoint_task.fn(ValidateConfig.model_validate(cfg), checkpoint["best_dir"],
                                            inputs["verifier_path"], prompts["path"], str(out_dir))
     return {**manifest, "fingerprint": sha256_json([manifest["fingerprint"], checkpoint.get("fingerprint")])}

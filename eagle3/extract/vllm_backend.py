@@ -14,11 +14,9 @@ manifest; samples already written are not redone.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -31,6 +29,7 @@ from eagle3.envs import vllm_python, vllm_subprocess_env
 from eagle3.extract.config import ExtractConfig
 from eagle3.extract.store import MANIFEST
 from eagle3.gpu import OutOfMemoryAfterRetries
+from eagle3.subproc import kill_process_tree, popen_guarded
 from eagle3.verifier import VerifierSpec
 
 log = logging.getLogger("eagle3.extract")
@@ -43,25 +42,6 @@ _CHUNK_SAMPLES = 4096  # prompts per LLM.generate call in the driver (bounds its
 
 class VllmExtractionError(RuntimeError):
     """The vLLM driver failed; the message carries the tail of its log and the log's path."""
-
-
-def _pdeathsig() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def kill_group(proc: subprocess.Popen, grace_seconds: float = 10.0) -> None:
-    """SIGTERM the child's whole process group (driver, engine core, workers), SIGKILL what is left."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace_seconds)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def write_work_file(path: Path, ds, indices: list[int]) -> None:
@@ -175,11 +155,10 @@ def _run_driver(python: str, job_file: Path, log_file: Path, store_dir: Path, re
                 timeout_seconds: float) -> int:
     tail = _ManifestTail(store_dir / MANIFEST)
     with open(log_file, "wb") as out:
-        proc = subprocess.Popen(
-            [python, "-m", "eagle3.extract.vllm_worker", str(job_file)],
-            stdout=out, stderr=subprocess.STDOUT, env=vllm_subprocess_env(), start_new_session=True,
-            pass_fds=tuple(lock_fds), preexec_fn=_pdeathsig,  # noqa: PLW1509 - only a prctl call
-        )
+        # own process group under a guard that kills it when this process dies (a SIGKILLed cancellation): vLLM's
+        # engine core has no parent-death check of its own. The guard holds the lock fds as long as the group lives.
+        proc = popen_guarded([python, "-m", "eagle3.extract.vllm_worker", str(job_file)], stdout=out,
+                             stderr=subprocess.STDOUT, env=vllm_subprocess_env(), pass_fds=tuple(lock_fds))
         deadline = time.monotonic() + timeout_seconds if timeout_seconds > 0 else float("inf")
         try:
             while True:
@@ -198,7 +177,12 @@ def _run_driver(python: str, job_file: Path, log_file: Path, store_dir: Path, re
                                               f"killed its process group {proc.pid}; log {log_file}")
                 time.sleep(0.5)
         finally:
-            kill_group(proc)
+            if proc.poll() is None:
+                kill_process_tree(proc.pid, 10.0)
+            proc.wait()
+            with contextlib.suppress(ProcessLookupError):  # anything the driver left in its group goes too
+                os.killpg(proc.pid, 0)
+                kill_process_tree(proc.pid, 10.0)
 
 
 def _tail(path: Path, lines: int = 40) -> str:
