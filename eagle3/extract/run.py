@@ -130,7 +130,8 @@ def open_dataset(dataset_dir: str | Path, vocab_size: int | None = None):
         flat = pc.list_flatten(ids_col)
         hi, lo = pc.max(flat).as_py(), pc.min(flat).as_py()
         if hi >= vocab_size or lo < 0:
-            row = next(i for i, r in enumerate(ids_col.to_pylist()) if max(r) >= vocab_size or min(r) < 0)
+            bad = pc.or_(pc.greater_equal(flat, vocab_size), pc.less(flat, 0))  # vectorised: no Python lists
+            row = pc.list_parent_indices(ids_col).filter(bad)[0].as_py()
             raise ExtractError(f"dataset {path}: sample {row} has token ids outside 0..{vocab_size - 1} "
                                f"(verifier vocab_size {vocab_size}); was it tokenized with another tokenizer?")
     return ds, lengths
@@ -356,7 +357,8 @@ def extract_hidden_states(
     extract_s = stats.get("extract_end", time.monotonic()) - stats.get("extract_start", t_start)
     store = HiddenStateStore(store_dir)
     manifest = store_dir / MANIFEST
-    tokens_written = sum(todo[i] for i in todo if i in store and i not in stats["samples_unfittable"])
+    unfittable = set(stats["samples_unfittable"])
+    tokens_written = sum(todo[i] for i in todo if i in store and i not in unfittable)
     files_bytes = sum(int(store.entry(i).get("bytes", 0)) or store.file(i).stat().st_size for i in store)
     fingerprint = sha256_json({"meta": {k: v for k, v in meta.items() if k != "verifier"},
                                "samples": [[i, store.entry(i)["sha256"]] for i in store]})
