@@ -200,9 +200,11 @@ class DraftConfig(BaseModel):
     @classmethod
     def from_vllm_config(cls, cfg: dict[str, Any], where: str = "config.json") -> DraftConfig:
         """Inverse of ``to_vllm_config`` (checks the fields this implementation supports)."""
+        if not isinstance(cfg, dict):
+            raise DraftConfigError(f"{where}: expected a JSON object, got {type(cfg).__name__}")
         if cfg.get("architectures") != [ARCHITECTURE] and cfg.get("architectures") != ["Eagle3LlamaForCausalLM"]:
             raise DraftConfigError(f"{where}: architectures {cfg.get('architectures')} is not [{ARCHITECTURE!r}]")
-        if int(cfg.get("num_hidden_layers", 1)) != 1:
+        if cfg.get("num_hidden_layers", 1) != 1:
             raise DraftConfigError(f"{where}: num_hidden_layers {cfg['num_hidden_layers']}: only 1 is supported")
         for key in ("norm_before_fc", "fc_norm", "norm_output"):
             if cfg.get(key) or (cfg.get("eagle_config") or {}).get(key):
@@ -214,8 +216,8 @@ class DraftConfig(BaseModel):
         rope = cfg.get("rope_parameters") or {}
         if rope.get("rope_type", "default") != "default":
             raise DraftConfigError(f"{where}: rope_type {rope['rope_type']!r}: only 'default' is supported")
-        heads = int(cfg["num_attention_heads"])
         try:
+            heads = int(cfg["num_attention_heads"])
             return cls._make(
                 where,
                 hidden_size=cfg["hidden_size"], target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]),
@@ -231,6 +233,8 @@ class DraftConfig(BaseModel):
             )
         except KeyError as e:
             raise DraftConfigError(f"{where}: missing key {e.args[0]}") from None
+        except (TypeError, ValueError) as e:
+            raise DraftConfigError(f"{where}: a field has a value of the wrong type ({e})") from None
 
     def matmul_params(self) -> int:
         """Weights used in matmuls per token (fc, attention, MLP, lm_head); 2 FLOPs each in a forward."""

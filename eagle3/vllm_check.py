@@ -116,9 +116,14 @@ def read_prompt_messages(path: str | os.PathLike, num_prompts: int) -> list[list
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise PromptError(f"{path}:{line_no}: not valid JSON ({e})") from None
-            if "messages" in record:
+            if not isinstance(record, dict):
+                raise PromptError(f"{path}:{line_no}: a JSON {type(record).__name__}, not an object")
+            key = "messages" if "messages" in record else "conversations" if "conversations" in record else None
+            if key and not (isinstance(record[key], list) and all(isinstance(t, dict) for t in record[key])):
+                raise PromptError(f"{path}:{line_no}: '{key}' must be a list of objects")
+            if key == "messages":
                 turns = [(m.get("role"), m.get("content")) for m in record["messages"]]
-            elif "conversations" in record:
+            elif key == "conversations":
                 turns = [(roles.get(t.get("from")), t.get("value")) for t in record["conversations"]]
             else:
                 raise PromptError(f"{path}:{line_no}: neither 'messages' (OpenAI) nor 'conversations' (ShareGPT)")

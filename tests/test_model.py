@@ -178,3 +178,17 @@ def test_bad_draft_configs_name_the_field(tiny_llama_verifier):
     with pytest.raises(DraftConfigError, match="eagle_aux_hidden_state_layer_ids"):
         DraftConfig.from_vllm_config({k: v for k, v in flat.items() if k not in ("eagle_config",
                                                                              "eagle_aux_hidden_state_layer_ids")})
+
+
+def test_vllm_config_with_missing_or_mistyped_fields_is_one_clear_error():
+    from eagle3.model import DraftConfig, DraftConfigError
+
+    good = {"architectures": ["LlamaForCausalLMEagle3"], "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
+            "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 100,
+            "draft_vocab_size": 10}
+    with pytest.raises(DraftConfigError, match="missing key num_attention_heads"):
+        DraftConfig.from_vllm_config({k: v for k, v in good.items() if k != "num_attention_heads"})
+    with pytest.raises(DraftConfigError, match="wrong type"):
+        DraftConfig.from_vllm_config({**good, "num_attention_heads": [4]})
+    with pytest.raises(DraftConfigError, match="expected a JSON object"):
+        DraftConfig.from_vllm_config([good])

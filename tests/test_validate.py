@@ -388,3 +388,13 @@ def test_bad_settings_raise_before_any_vllm_start(good, tiny_llama_verifier, tmp
     short.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     with pytest.raises(PromptError, match="holds 1 conversations, 8 prompts"):
         validate_draft(ValidateConfig(vllm_python=sys.executable), good, tiny_llama_verifier, short, tmp_path / "b")
+
+
+def test_prompt_file_rows_of_the_wrong_shape_are_one_clear_error(tmp_path):
+    from eagle3.vllm_check import PromptError, read_prompt_messages
+
+    for i, line in enumerate(["5", '{"messages": ["hi"]}', '{"conversations": {"from": "human"}}']):
+        f = tmp_path / f"p{i}.jsonl"
+        f.write_text(line + "\n")
+        with pytest.raises(PromptError, match=rf"p{i}\.jsonl:1: "):
+            read_prompt_messages(f, 1)

@@ -63,12 +63,16 @@ class _ManifestTail:
 
     def __init__(self, path: Path):
         self.path = path
-        self.offset = path.stat().st_size if path.exists() else 0
+        st = path.stat() if path.exists() else None
+        self.offset, self.inode = (st.st_size, st.st_ino) if st else (0, None)
 
     def new_entries(self) -> list[dict[str, Any]]:
         if not self.path.exists():
             return []
         with open(self.path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if st.st_ino != self.inode or st.st_size < self.offset:  # rewritten (repaired by another shard job):
+                self.offset, self.inode = 0, st.st_ino  # re-read it all; the caller ignores entries it already saw
             f.seek(self.offset)
             data = f.read()
         end = data.rfind(b"\n") + 1
