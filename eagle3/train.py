@@ -294,12 +294,13 @@ class TrainingTimeTest(nn.Module):
             with torch.no_grad():
                 t_logp = torch.log_softmax(self.teacher_logits(batch.final).float(), dim=-1)  # [B, T, D]
                 t_arg = t_logp.argmax(-1)  # [B, T]
-                t_ent = -(t_logp.exp() * t_logp).sum(-1)  # [B, T] entropy of the teacher
+                t_p = t_logp.exp()  # [B, T, D] teacher probabilities, once: every TTT step slices this storage
+                t_ent = -(t_p * t_logp).sum(-1)  # [B, T] entropy of the teacher
             mask = context_mask(batch.seq_ids)  # [B, 1, T, T]
             hidden = self.draft.project_aux(batch.aux.float())  # [B, T, H]; bf16 under autocast on cuda
-            return self._unroll(batch, hidden, mask, t_logp, t_arg, t_ent, norm)
+            return self._unroll(batch, hidden, mask, t_p, t_arg, t_ent, norm)
 
-    def _unroll(self, batch: Batch, hidden: torch.Tensor, mask: torch.Tensor, t_logp: torch.Tensor,
+    def _unroll(self, batch: Batch, hidden: torch.Tensor, mask: torch.Tensor, t_p: torch.Tensor,
                 t_arg: torch.Tensor, t_ent: torch.Tensor, norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from eagle3.model import KVCache
 
@@ -316,9 +317,9 @@ class TrainingTimeTest(nn.Module):
                 continue
             counted = ttt_counted(batch.loss_mask, batch.seq_ids, k)[:, :n]  # [B, n]
             logq = torch.log_softmax(logits[:, :n].float(), dim=-1)  # [B, n, D]
-            tlp = t_logp[:, 1 + k:]  # [B, n, D] teacher f_{i+1+k}
+            tp = t_p[:, 1 + k:]  # [B, n, D] teacher f_{i+1+k} (a view: no per-step copy kept for backward)
             # forward KL(p || q) = cross-entropy(p, q) - entropy(p)
-            kl = -(tlp.exp() * logq).sum(-1) - t_ent[:, 1 + k:]  # [B, n]
+            kl = -(tp * logq).sum(-1) - t_ent[:, 1 + k:]  # [B, n]
             kl_sum = (kl * counted).sum()
             loss = loss + self.weights[k] * kl_sum / norm[k]
             with torch.no_grad():
