@@ -309,10 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     args = json.loads(Path(ns.args_json).read_text())
     result = run_check(args)
-    out = Path(args["out"])
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    os.replace(tmp, out)
+    from eagle3.io import atomic_write_json  # stdlib only: safe in the vLLM interpreter
+
+    out = atomic_write_json(args["out"], result)
     _log(f"result written to {out}")
     return 0
 
