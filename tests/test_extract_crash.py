@@ -19,7 +19,7 @@ from eagle3.extract.run import extract_hidden_states
 from eagle3.extract.store import MANIFEST, HiddenStateStore
 
 REPO = Path(__file__).resolve().parent.parent
-N = 40
+N = 90  # samples; the kill lands in the first third, so at least 60 remain to be cut off (>= 30 forwards)
 
 
 def _lines(path: Path) -> int:
@@ -41,7 +41,7 @@ def test_kill_9_then_rerun_completes_without_duplicates(tiny_llama_verifier, tmp
     """)
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    kill_after = rng.randint(1, N - 10)  # manifest lines seen before the kill
+    kill_after = rng.randint(1, N // 3)  # manifest lines seen before the kill
     extra_delay = rng.random() * 0.05  # and a random moment after that, inside a forward or a write
     deadline = time.monotonic() + 120
     while _lines(store_dir / MANIFEST) < kill_after:
@@ -49,6 +49,7 @@ def test_kill_9_then_rerun_completes_without_duplicates(tiny_llama_verifier, tmp
         assert time.monotonic() < deadline, f"no progress (seed {seed})"
         time.sleep(0.01)
     time.sleep(extra_delay)
+    assert proc.poll() is None, f"seed {seed}: extraction finished before the kill; the test interrupted nothing"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     done_before = len(HiddenStateStore(store_dir, strict=False))
