@@ -25,8 +25,8 @@ from _extract_common import quiet, save_dataset, save_llama
 
 from eagle3.extract import hf_backend
 from eagle3.extract.batching import TokenBudgetBatcher, pad_right
-from eagle3.extract.run import extract_hidden_states, open_dataset
-from eagle3.verifier import VerifierSpec
+from eagle3.extract.stage import extract_hidden_states, open_dataset
+from eagle3.support.verifier import VerifierSpec
 
 
 def bare_pass(backend, ds, lengths: list[int], max_tokens: int, max_samples: int) -> float:

@@ -22,7 +22,7 @@ from _extract_common import quiet, save_dataset, save_llama
 CHILD = """
 import json, resource, sys
 import psutil, torch, transformers, datasets  # imported before the baseline reading
-from eagle3.extract.run import extract_hidden_states
+from eagle3.extract.stage import extract_hidden_states
 base = psutil.Process().memory_info().rss
 r = extract_hidden_states(json.loads(sys.argv[1]), sys.argv[2], sys.argv[3])
 print(json.dumps({"baseline_rss": base, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

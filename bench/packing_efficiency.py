@@ -3,7 +3,7 @@
     .venv/bin/python bench/packing_efficiency.py [--max-seq-len 512 2048] [--val-ratio 0.05]
 
 Tokenizes data/stdlib-chat/train.openai.jsonl with the bundled verifier's tokenizer and chat template (the data
-stage, eagle3.data), splits train/val as the trainer does and packs the training split with the trainer's own
+stage, eagle3.prepare), splits train/val as the trainer does and packs the training split with the trainer's own
 ``pack_samples`` (best-fit decreasing). Printed beside it, in the same run: one sample per row (padded to
 max_seq_len) and one sample per row padded to the longest of each batch of 8 (what an unpacked trainer pays).
 Target: packed >= 0.95.
@@ -16,9 +16,9 @@ import logging
 import tempfile
 from pathlib import Path
 
-from eagle3.data import PrepareConfig, prepare_dataset
-from eagle3.envs import BUNDLED_DATA, BUNDLED_VERIFIER
-from eagle3.train import pack_samples, packing_efficiency, split_indices
+from eagle3.prepare import PrepareConfig, prepare_dataset
+from eagle3.support.paths import BUNDLED_DATA, BUNDLED_VERIFIER
+from eagle3.train.trainer import pack_samples, packing_efficiency, split_indices
 
 
 def main() -> None:

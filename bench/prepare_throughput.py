@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from eagle3.data import ChatEncoder, PrepareConfig, iter_rows, load_chat_tokenizer, normalize_row, prepare_dataset
+from eagle3.prepare import ChatEncoder, PrepareConfig, iter_rows, load_chat_tokenizer, normalize_row, prepare_dataset
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -29,11 +29,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _extract_common import quiet, save_dataset, save_llama
 
-from eagle3.extract.run import extract_hidden_states
+from eagle3.draft.model import DraftConfig
+from eagle3.extract.stage import extract_hidden_states
 from eagle3.extract.store import HiddenStateStore
-from eagle3.model import DraftConfig
-from eagle3.train import TrainConfig, train_draft
-from eagle3.verifier import VerifierSpec
+from eagle3.support.verifier import VerifierSpec
+from eagle3.train.trainer import TrainConfig, train_draft
 from eagle3.vocab import VocabConfig, build_vocab
 
 

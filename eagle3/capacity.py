@@ -30,10 +30,10 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from eagle3.data import load_prepared
-from eagle3.io import atomic_write_json
-from eagle3.progress import fmt_duration
-from eagle3.verifier import VerifierSpec
+from eagle3.prepare import load_prepared
+from eagle3.support.io import atomic_write_json
+from eagle3.support.progress import fmt_duration
+from eagle3.support.verifier import VerifierSpec
 
 log = logging.getLogger("eagle3")
 

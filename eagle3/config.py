@@ -18,12 +18,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eagle3.capacity import CapacityConfig
-from eagle3.data import PrepareConfig
-from eagle3.envs import REPO_ROOT, resolve_path
 from eagle3.extract.config import ExtractConfig
-from eagle3.train import TrainConfig
-from eagle3.validate import ValidateConfig
-from eagle3.verifier import VerifierSpec
+from eagle3.prepare import PrepareConfig
+from eagle3.support.paths import REPO_ROOT, resolve_path
+from eagle3.support.verifier import VerifierSpec
+from eagle3.train.trainer import TrainConfig
+from eagle3.validate.stage import ValidateConfig
 from eagle3.vocab import VocabConfig
 
 PREFECT_YAML = REPO_ROOT / "prefect.yaml"  # presets live in its `definitions.presets`: one source of truth

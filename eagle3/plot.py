@@ -13,7 +13,7 @@ import struct
 import zlib
 from pathlib import Path
 
-from eagle3.io import atomic_write_bytes
+from eagle3.support.io import atomic_write_bytes
 
 # 5x7 glyphs, one string of 7 rows per character, '#' = ink. Lowercase letters render as uppercase.
 _FONT_ROWS = {

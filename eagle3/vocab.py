@@ -26,8 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from eagle3.data import load_prepared
-from eagle3.io import atomic_path, atomic_write_json
+from eagle3.prepare import load_prepared
+from eagle3.support.io import atomic_path, atomic_write_json
 
 log = logging.getLogger("eagle3")
 

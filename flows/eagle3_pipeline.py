@@ -25,7 +25,7 @@ from prefect import flow
 logging.getLogger("eagle3").setLevel(logging.INFO)  # progress lines are INFO; Prefect's root logger is at WARNING
 
 from eagle3.config import PipelineConfig, load_config, parse_set, preset_names
-from eagle3.envs import resolve_path
+from eagle3.support.paths import resolve_path
 from tasks.capacity import plan_capacity_task
 from tasks.common import describe_file, describe_inputs, result_storage_block, run_stage
 from tasks.extract import extract_hidden_states_task

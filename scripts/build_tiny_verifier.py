@@ -3,7 +3,7 @@
     python scripts/build_tiny_verifier.py               # data + tokenizer + model (about 15-30 min on 2 cores)
     python scripts/build_tiny_verifier.py --data-only   # data + tokenizer only (seconds)
 
-All logic lives in eagle3.bundled.
+All logic lives in scripts.tiny_verifier.
 """
 
 import argparse
@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eagle3.bundled import DEFAULT_DATA_DIR, DEFAULT_MODEL_DIR, TrainSettings, build_tiny_verifier
+from scripts.tiny_verifier import DEFAULT_DATA_DIR, DEFAULT_MODEL_DIR, TrainSettings, build_tiny_verifier
 
 
 def main() -> None:

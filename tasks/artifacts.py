@@ -46,7 +46,7 @@ def image_markdown(png: str | Path, alt: str) -> str:
 
 
 class ProgressArtifact:
-    """Mirror of eagle3.progress.Progress into a Prefect progress artifact, updated at most every few seconds."""
+    """Mirror of eagle3.support.progress.Progress into a Prefect progress artifact, updated at most every few seconds."""
 
     def __init__(self, key: str, description: str, min_interval_s: float = 2.0):
         self.key, self.description, self.min_interval_s = key, description, min_interval_s

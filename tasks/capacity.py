@@ -6,8 +6,8 @@ from prefect import task
 
 from eagle3.capacity import CapacityConfig, plan_capacity
 from eagle3.extract.config import ExtractConfig
-from eagle3.io import sha256_file
-from eagle3.verifier import VerifierSpec
+from eagle3.support.io import sha256_file
+from eagle3.support.verifier import VerifierSpec
 from tasks import artifacts
 from tasks.common import cache_key, stage_dir
 

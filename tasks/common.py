@@ -21,7 +21,7 @@ from prefect import task
 from pydantic import BaseModel
 
 import eagle3
-from eagle3.io import fingerprint_paths, sha256_file, sha256_json
+from eagle3.support.io import fingerprint_paths, sha256_file, sha256_json
 
 # parameters that never change a stage's outcome: progress cadence, and where the GPUs' concurrency limit lives
 _NOT_IN_KEY = {"log_every_seconds", "log_every_samples", "log_every_steps", "host"}
@@ -181,7 +181,7 @@ def attempt_batch_scale() -> float:
 def gpu_slots(limit_name: str | None, slots: int, strict: bool) -> Iterator[None]:
     """Hold ``slots`` of the host's Prefect global concurrency limit (slots = GPUs) while the block runs.
 
-    Combined with the host file lock taken inside extraction (eagle3.gpu), which works without any server.
+    Combined with the host file lock taken inside extraction (eagle3.support.gpu), which works without any server.
     ``limit_name=None`` (the laptop demo) skips it.
     """
     if not limit_name or slots <= 0:

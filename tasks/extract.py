@@ -11,7 +11,7 @@ from prefect import task
 
 from eagle3.config import HostConfig
 from eagle3.extract.config import ExtractConfig
-from eagle3.extract.run import extract_hidden_states
+from eagle3.extract.stage import extract_hidden_states
 from tasks import artifacts
 from tasks.common import attempt_batch_scale, cache_key, gpu_slots, retry_on_oom_only, stage_dir
 

@@ -1,11 +1,11 @@
-"""Stage 1 task: conversations -> verifier tokens + assistant loss mask (eagle3.data)."""
+"""Stage 1 task: conversations -> verifier tokens + assistant loss mask (eagle3.prepare)."""
 
 from __future__ import annotations
 
 from prefect import task
 
-from eagle3.data import PrepareConfig, prepare_dataset
-from eagle3.io import fingerprint_paths, sha256_file, sha256_json
+from eagle3.prepare import PrepareConfig, prepare_dataset
+from eagle3.support.io import fingerprint_paths, sha256_file, sha256_json
 from tasks import artifacts
 from tasks.common import cache_key, stage_dir
 

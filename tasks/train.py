@@ -1,4 +1,4 @@
-"""Stage 4 task: train the EAGLE-3 draft on the hidden-state store (eagle3.train) -> vLLM-ready checkpoints.
+"""Stage 4 task: train the EAGLE-3 draft on the hidden-state store (eagle3.train.trainer) -> vLLM-ready checkpoints.
 
 The output folder is keyed by what changes the trained weights (settings, store, vocab, verifier), not by logging,
 process count or accumulation split, so a rerun after a crash or an OOM resumes from ``latest/``. An OOM retry
@@ -12,8 +12,8 @@ from pathlib import Path
 from prefect import task
 
 from eagle3.config import HostConfig
-from eagle3.io import sha256_file, sha256_json
-from eagle3.train import RESUME_FREE, TrainConfig, train_draft
+from eagle3.support.io import sha256_file, sha256_json
+from eagle3.train.trainer import RESUME_FREE, TrainConfig, train_draft
 from tasks import artifacts
 from tasks.common import attempt_batch_scale, cache_key, gpu_slots, retry_on_oom_only, stage_dir
 

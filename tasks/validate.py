@@ -10,8 +10,8 @@ from pathlib import Path
 
 from prefect import task
 
-from eagle3.io import sha256_file, sha256_json
-from eagle3.validate import ValidateConfig, validate_draft
+from eagle3.support.io import sha256_file, sha256_json
+from eagle3.validate.stage import ValidateConfig, validate_draft
 from tasks import artifacts
 from tasks.common import cache_key, stage_dir
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prefect import task
 
-from eagle3.io import sha256_file
-from eagle3.verifier import VerifierSpec
+from eagle3.support.io import sha256_file
+from eagle3.support.verifier import VerifierSpec
 from eagle3.vocab import VocabConfig, build_vocab
 from tasks import artifacts
 from tasks.common import cache_key, stage_dir

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eagle3 import checkpoint as ckpt
-from eagle3.envs import REPO_ROOT, vllm_python, vllm_subprocess_env
-from eagle3.model import DraftConfig, Eagle3Draft
-from eagle3.verifier import VerifierSpec
+from eagle3.draft import checkpoint as ckpt
+from eagle3.draft.model import DraftConfig, Eagle3Draft
+from eagle3.support.paths import REPO_ROOT, vllm_python, vllm_subprocess_env
+from eagle3.support.verifier import VerifierSpec
 
 CONTRACT = {
     "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",

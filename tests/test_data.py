@@ -17,8 +17,8 @@ import pytest
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
-from eagle3.data import ChatEncoder, DataError, PrepareConfig, prepare_dataset
-from eagle3.io import fingerprint_paths
+from eagle3.prepare import ChatEncoder, DataError, PrepareConfig, prepare_dataset
+from eagle3.support.io import fingerprint_paths
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"

@@ -13,10 +13,10 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from eagle3.extract import hf_backend
-from eagle3.extract.run import ExtractError, extract_hidden_states
+from eagle3.extract.stage import ExtractError, extract_hidden_states
 from eagle3.extract.store import MANIFEST, HiddenStateStore, StoreError
-from eagle3.gpu import OutOfMemoryAfterRetries, is_oom_error
-from eagle3.verifier import VerifierError, load_verifier_head
+from eagle3.support.gpu import OutOfMemoryAfterRetries, is_oom_error
+from eagle3.support.verifier import VerifierError, load_verifier_head
 
 
 def make_dataset(path: Path, lengths: list[int], vocab: int, seed: int = 0) -> Path:
@@ -253,7 +253,7 @@ def test_bad_input_one_clear_error_each(tiny_llama_verifier, tmp_path):
 
 def test_task_manifest_and_shards_share_one_store(tiny_llama_verifier, tmp_path):
     from eagle3.extract.config import ExtractConfig
-    from eagle3.io import sha256_file
+    from eagle3.support.io import sha256_file
     from tasks.common import manifest_ok
     from tasks.extract import extract_hidden_states_task
 

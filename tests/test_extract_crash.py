@@ -15,7 +15,7 @@ from pathlib import Path
 
 from test_extract import make_dataset
 
-from eagle3.extract.run import extract_hidden_states
+from eagle3.extract.stage import extract_hidden_states
 from eagle3.extract.store import MANIFEST, HiddenStateStore
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,7 +36,7 @@ def test_kill_9_then_rerun_completes_without_duplicates(tiny_llama_verifier, tmp
            "max_samples_per_batch": 2, "min_tokens_per_batch": 16, "lock_dir": str(tmp_path / "locks"),
            "log_every_seconds": 0, "log_every_samples": 0}
     code = textwrap.dedent(f"""
-        from eagle3.extract.run import extract_hidden_states
+        from eagle3.extract.stage import extract_hidden_states
         extract_hidden_states({cfg!r}, {str(ds)!r}, {str(store_dir)!r})
     """)
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, start_new_session=True,

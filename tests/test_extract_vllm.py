@@ -9,11 +9,11 @@ import pytest
 import torch
 from test_extract import make_dataset
 
-from eagle3.envs import vllm_python
-from eagle3.extract.run import extract_hidden_states
+from eagle3.extract.stage import extract_hidden_states
 from eagle3.extract.store import HiddenStateStore
 from eagle3.extract.vllm_backend import VllmExtractionError
-from eagle3.verifier import load_verifier_head
+from eagle3.support.paths import vllm_python
+from eagle3.support.verifier import load_verifier_head
 
 
 def _has_vllm() -> bool:

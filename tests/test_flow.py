@@ -130,9 +130,9 @@ def test_bad_pipeline_config_names_the_field():
 
 
 def test_config_reference_is_up_to_date():
-    from eagle3.config_reference import render
+    from eagle3.support.config_reference import render
 
-    assert (REPO / "docs" / "CONFIG.md").read_text() == render(), "run: python -m eagle3.config_reference > docs/CONFIG.md"
+    assert (REPO / "docs" / "CONFIG.md").read_text() == render(), "run: python -m eagle3.support.config_reference > docs/CONFIG.md"
 
 
 @pytest.mark.vllm

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.gpu import (
+from eagle3.support.gpu import (
     GpuBusyError,
     OutOfMemoryAfterRetries,
     cuda_preflight,
@@ -29,7 +29,7 @@ def _holder(lock_dir: Path, names: list[str], hold_seconds: float = 60.0) -> sub
     """A separate process that takes the lock, says so on stdout, and sleeps."""
     code = textwrap.dedent(f"""
         import sys, time
-        from eagle3.gpu import device_lock
+        from eagle3.support.gpu import device_lock
         with device_lock({names!r}, {str(lock_dir)!r}):
             print("locked", flush=True)
             time.sleep({hold_seconds})
@@ -90,7 +90,7 @@ def test_extraction_refuses_held_lock_before_loading(tiny_llama_verifier, tmp_pa
     from test_extract import make_dataset
 
     from eagle3.extract import hf_backend
-    from eagle3.extract.run import extract_hidden_states
+    from eagle3.extract.stage import extract_hidden_states
 
     ds = make_dataset(tmp_path / "ds", [5, 9], 8192)
     loads = []
@@ -145,13 +145,13 @@ def test_second_extraction_waits_then_resumes_what_the_first_wrote(tiny_llama_ve
 
     from test_extract import make_dataset
 
-    from eagle3.extract.run import extract_hidden_states
+    from eagle3.extract.stage import extract_hidden_states
     from eagle3.extract.store import MANIFEST
 
     ds = make_dataset(tmp_path / "ds", [40 + i for i in range(24)], 8192)
     cfg = {"verifier": str(tiny_llama_verifier), "lock_dir": str(tmp_path / "locks"), "device": "cpu",
            "max_samples_per_batch": 1, "log_every_seconds": 0, "log_every_samples": 0}
-    code = f"from eagle3.extract.run import extract_hidden_states; extract_hidden_states({cfg!r}, " \
+    code = f"from eagle3.extract.stage import extract_hidden_states; extract_hidden_states({cfg!r}, " \
            f"{str(ds)!r}, {str(tmp_path / 'store')!r})"
     first = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.PIPE)
     try:

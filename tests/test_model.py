@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from eagle3.model import DraftArchitecture, DraftConfig, DraftConfigError, Eagle3Draft
-from eagle3.verifier import VerifierSpec, load_verifier_head
+from eagle3.draft.model import DraftArchitecture, DraftConfig, DraftConfigError, Eagle3Draft
+from eagle3.support.verifier import VerifierSpec, load_verifier_head
 
 
 def _mapping(vocab: int, draft_vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,7 +181,7 @@ def test_bad_draft_configs_name_the_field(tiny_llama_verifier):
 
 
 def test_vllm_config_with_missing_or_mistyped_fields_is_one_clear_error():
-    from eagle3.model import DraftConfig, DraftConfigError
+    from eagle3.draft.model import DraftConfig, DraftConfigError
 
     good = {"architectures": ["LlamaForCausalLMEagle3"], "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
             "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 100,

@@ -1,4 +1,4 @@
-"""The offline reference (eagle3.specdec) and the helpers it shares with the vLLM check (eagle3.vllm_check):
+"""The offline reference (eagle3.validate.specdec) and the helpers it shares with the vLLM check (eagle3.validate.vllm_check):
 prompts from chat files, chat-templated token ids, acceptance counters, and the greedy chain loop, whose output
 must equal plain greedy decoding and whose counters must match an independent simulation."""
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.model import DraftConfig, Eagle3Draft
-from eagle3.specdec import load_verifier, speculative_generate, verifier_pass
-from eagle3.verifier import VerifierSpec
-from eagle3.vllm_check import (
+from eagle3.draft.model import DraftConfig, Eagle3Draft
+from eagle3.support.verifier import VerifierSpec
+from eagle3.validate.specdec import load_verifier, speculative_generate, verifier_pass
+from eagle3.validate.vllm_check import (
     AcceptanceStats,
     PromptError,
     first_difference,

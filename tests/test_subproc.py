@@ -1,4 +1,4 @@
-"""eagle3.subproc: output streaming, failures, and no process left behind (timeout, interrupt, owner killed,
+"""eagle3.support.subproc: output streaming, failures, and no process left behind (timeout, interrupt, owner killed,
 stray background workers). Real processes: `sh` and `python` trees that write their pids to a file."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from eagle3.subproc import SubprocessFailed, run_subprocess
+from eagle3.support.subproc import SubprocessFailed, run_subprocess
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -130,7 +130,7 @@ def test_owner_killed_hard_takes_the_group_with_it(tmp_path):
     owner_code = f"""
         import sys
         sys.path.insert(0, {str(REPO)!r})
-        from eagle3.subproc import run_subprocess
+        from eagle3.support.subproc import run_subprocess
         run_subprocess({_tree_script(pidfile)!r}, timeout_s=300)
     """
     owner = subprocess.Popen([sys.executable, "-c", textwrap.dedent(owner_code)])

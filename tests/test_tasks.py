@@ -89,6 +89,6 @@ def test_oom_classification_for_retries():
     assert is_oom_exception(MemoryError())
     assert not is_oom_exception(ValueError("aux_layer_ids [99] out of range"))
     assert not is_oom_exception(FileNotFoundError("verifier config not found"))
-    from eagle3.gpu import OutOfMemoryAfterRetries
+    from eagle3.support.gpu import OutOfMemoryAfterRetries
 
     assert not is_oom_exception(OutOfMemoryAfterRetries("sample 7 does not fit at the floor: out of memory"))

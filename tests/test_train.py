@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3 import checkpoint as ckpt
-from eagle3.extract.run import extract_hidden_states
+from eagle3.draft import checkpoint as ckpt
+from eagle3.extract.stage import extract_hidden_states
 from eagle3.extract.store import init_store
-from eagle3.io import sha256_file
-from eagle3.train import TrainConfig, TrainError, train_draft
+from eagle3.support.io import sha256_file
+from eagle3.train.trainer import TrainConfig, TrainError, train_draft
 from eagle3.vocab import VocabConfig, build_vocab
 
 TINY = {"lr": 3e-3, "batch_size": 2, "max_seq_len": 256, "ttt_steps": 3, "log_every_steps": 1, "device": "cpu",

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 
-from eagle3.data import PrepareConfig, prepare_dataset
-from eagle3.envs import BUNDLED_DATA
-from eagle3.extract.run import extract_hidden_states
-from eagle3.model import DraftArchitecture
-from eagle3.train import TrainConfig, train_draft
+from eagle3.draft.model import DraftArchitecture
+from eagle3.extract.stage import extract_hidden_states
+from eagle3.prepare import PrepareConfig, prepare_dataset
+from eagle3.support.paths import BUNDLED_DATA
+from eagle3.train.trainer import TrainConfig, train_draft
 from eagle3.vocab import VocabConfig, build_vocab
 
 # measured on 2 cores with the bundled verifier (600-step build): untrained 1.002, trained 1.588 (acc per TTT step

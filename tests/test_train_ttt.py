@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from eagle3.model import DraftConfig, Eagle3Draft
-from eagle3.train import (
+from eagle3.draft.model import DraftConfig, Eagle3Draft
+from eagle3.support.verifier import VerifierSpec
+from eagle3.train.trainer import (
     Batch,
     TrainConfig,
     TrainingTimeTest,
@@ -24,7 +25,6 @@ from eagle3.train import (
     summarize,
     ttt_counted,
 )
-from eagle3.verifier import VerifierSpec
 
 H, D, K = 8, 50, 4
 

@@ -1,4 +1,4 @@
-"""Structural validation of draft checkpoints: a good checkpoint written by eagle3.checkpoint passes, and a corpus of
+"""Structural validation of draft checkpoints: a good checkpoint written by eagle3.draft.checkpoint passes, and a corpus of
 deliberately broken ones (each written as real config.json + model.safetensors files) is each caught with its own
 code and a message naming what is wrong. Report files (JSON, markdown, PNG) from a report dict."""
 
@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.checkpoint import save_draft
-from eagle3.model import DraftConfig, Eagle3Draft
-from eagle3.validate import ValidateConfig, render_markdown, validate_checkpoint, write_report
-from eagle3.verifier import VerifierSpec
+from eagle3.draft.checkpoint import save_draft
+from eagle3.draft.model import DraftConfig, Eagle3Draft
+from eagle3.support.verifier import VerifierSpec
+from eagle3.validate.stage import ValidateConfig, render_markdown, validate_checkpoint, write_report
 from tasks.validate import validate_checkpoint_task, validate_draft_task
 
 DRAFT_VOCAB = 512
@@ -33,7 +33,7 @@ def vocab_tables(vocab: int, draft_vocab: int, seed: int = 0) -> tuple[torch.Ten
 
 
 def make_draft(verifier: Path, out: Path, **cfg_overrides) -> Path:
-    """A real checkpoint folder, written by eagle3.checkpoint.save_draft."""
+    """A real checkpoint folder, written by eagle3.draft.checkpoint.save_draft."""
     spec = VerifierSpec.from_path(verifier)
     cfg = DraftConfig.build(spec, DRAFT_VOCAB, AUX, torch_dtype="float32")
     if cfg_overrides:
@@ -368,7 +368,7 @@ def test_task_structural_only_pass_and_fail(good, tiny_llama_verifier, tmp_path)
 def test_pipeline_stage_task_writes_into_its_stage_folder(good, tiny_llama_verifier, tmp_path):
     inputs = {"verifier_path": str(tiny_llama_verifier), "fingerprint": "f" * 64}
     ckpt = {"best_dir": str(good), "fingerprint": "c" * 64}
-    from eagle3.envs import BUNDLED_DATA
+    from eagle3.support.paths import BUNDLED_DATA
     from tasks.common import describe_file
 
     prompts = describe_file.fn(str(BUNDLED_DATA / "eval.openai.jsonl"))
@@ -378,8 +378,8 @@ def test_pipeline_stage_task_writes_into_its_stage_folder(good, tiny_llama_verif
 
 
 def test_bad_settings_raise_before_any_vllm_start(good, tiny_llama_verifier, tmp_path):
-    from eagle3.validate import validate_draft
-    from eagle3.vllm_check import PromptError
+    from eagle3.validate.stage import validate_draft
+    from eagle3.validate.vllm_check import PromptError
 
     with pytest.raises(FileNotFoundError, match="vLLM interpreter not found"):
         validate_draft(ValidateConfig(vllm_python=str(tmp_path / "no-python")), good, tiny_llama_verifier, None,
@@ -391,7 +391,7 @@ def test_bad_settings_raise_before_any_vllm_start(good, tiny_llama_verifier, tmp
 
 
 def test_prompt_file_rows_of_the_wrong_shape_are_one_clear_error(tmp_path):
-    from eagle3.vllm_check import PromptError, read_prompt_messages
+    from eagle3.validate.vllm_check import PromptError, read_prompt_messages
 
     for i, line in enumerate(["5", '{"messages": ["hi"]}', '{"conversations": {"from": "human"}}']):
         f = tmp_path / f"p{i}.jsonl"

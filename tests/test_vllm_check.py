@@ -20,14 +20,20 @@ import psutil
 import pytest
 import torch
 
-from eagle3.checkpoint import save_draft
-from eagle3.envs import vllm_python
-from eagle3.model import DraftConfig, Eagle3Draft
-from eagle3.specdec import load_verifier, speculative_generate
-from eagle3.subproc import SubprocessFailed
-from eagle3.validate import ValidateConfig, run_vllm_check, validate_draft
-from eagle3.verifier import VerifierSpec
-from eagle3.vllm_check import AcceptanceStats, load_tokenizer, prompt_token_ids, read_prompt_messages, stop_token_ids
+from eagle3.draft.checkpoint import save_draft
+from eagle3.draft.model import DraftConfig, Eagle3Draft
+from eagle3.support.paths import vllm_python
+from eagle3.support.subproc import SubprocessFailed
+from eagle3.support.verifier import VerifierSpec
+from eagle3.validate.specdec import load_verifier, speculative_generate
+from eagle3.validate.stage import ValidateConfig, run_vllm_check, validate_draft
+from eagle3.validate.vllm_check import (
+    AcceptanceStats,
+    load_tokenizer,
+    prompt_token_ids,
+    read_prompt_messages,
+    stop_token_ids,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -56,10 +62,10 @@ def _needs_vllm_env():
 @pytest.fixture(scope="module")
 def trained_draft(bundled_verifier, tmp_path_factory) -> Path:
     """A small draft trained through the pipeline's library functions on the bundled verifier."""
-    from eagle3.data import PrepareConfig, prepare_dataset
     from eagle3.extract.config import ExtractConfig
-    from eagle3.extract.run import extract_hidden_states
-    from eagle3.train import TrainConfig, train_draft
+    from eagle3.extract.stage import extract_hidden_states
+    from eagle3.prepare import PrepareConfig, prepare_dataset
+    from eagle3.train.trainer import TrainConfig, train_draft
     from eagle3.vocab import VocabConfig, build_vocab
 
     root = tmp_path_factory.mktemp("trained")
@@ -146,7 +152,7 @@ def random_verifier(tmp_path_factory) -> Path:
 
 
 def _save_draft(verifier: Path, out: Path, kept, constant: bool = False) -> Path:
-    """A real draft (eagle3.model init, eagle3.checkpoint layout) over the sorted target ids ``kept``; with
+    """A real draft (eagle3.draft.model init, eagle3.draft.checkpoint layout) over the sorted target ids ``kept``; with
     ``constant`` its final norm weight is 0, so all its logits are 0 and it always proposes kept[0] (argmax ties
     go to the first index, in vLLM and in torch)."""
 
@@ -246,7 +252,7 @@ def test_timeout_kills_the_vllm_process_tree(random_pair, tmp_path):
     finally:
         watcher.stop.set()
         watcher.join()
-    assert any("eagle3.vllm_check" in c for c in watcher.seen.values()), watcher.seen
+    assert any("eagle3.validate.vllm_check" in c for c in watcher.seen.values()), watcher.seen
     assert _survivors(watcher.seen) == []
 
 

@@ -2,5 +2,5 @@
 (vLLM layer-id convention) and the final state before the final norm (docs/DESIGN.md, "Hidden-state store").
 
 Readers import ``eagle3.extract.store`` only (no model code). The extraction entry point is
-``eagle3.extract.run.extract_hidden_states``.
+``eagle3.extract.stage.extract_hidden_states``.
 """

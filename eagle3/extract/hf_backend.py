@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from eagle3.verifier import VerifierError, VerifierSpec, find_tensor_names, torch_dtype
+from eagle3.support.verifier import VerifierError, VerifierSpec, find_tensor_names, torch_dtype
 
 log = logging.getLogger("eagle3.extract")
 

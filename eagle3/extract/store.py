@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from safetensors.torch import save as safetensors_save
 
-from eagle3.io import atomic_write_bytes, atomic_write_json, atomic_write_text, sha256_file
+from eagle3.support.io import atomic_write_bytes, atomic_write_json, atomic_write_text, sha256_file
 
 FORMAT = "eagle3-hidden-states/1"
 STORE_JSON = "store.json"

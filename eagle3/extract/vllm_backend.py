@@ -25,12 +25,12 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from eagle3.envs import vllm_python, vllm_subprocess_env
 from eagle3.extract.config import ExtractConfig
 from eagle3.extract.store import MANIFEST
-from eagle3.gpu import OutOfMemoryAfterRetries
-from eagle3.subproc import kill_process_tree, popen_guarded
-from eagle3.verifier import VerifierSpec
+from eagle3.support.gpu import OutOfMemoryAfterRetries
+from eagle3.support.paths import vllm_python, vllm_subprocess_env
+from eagle3.support.subproc import kill_process_tree, popen_guarded
+from eagle3.support.verifier import VerifierSpec
 
 log = logging.getLogger("eagle3.extract")
 

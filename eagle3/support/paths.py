@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 BUNDLED_VERIFIER = REPO_ROOT / "models" / "tiny-chat-verifier"
 BUNDLED_DATA = REPO_ROOT / "data" / "stdlib-chat"
 VLLM_PYTHON_ENV = "EAGLE3_VLLM_PYTHON"

@@ -34,7 +34,7 @@ So ONE plain causal forward over the sequence
     hidden   : fc(a_0) fc(a_1) ..  fc(a_{n-1}) g_0    g_1     ..  g_{k-1}
 
 gives at its last position exactly vLLM's draft logits for d_{k+1} (``Eagle3Draft.forward`` with
-``attention_mask=None``). Training (eagle3.train) unrolls the same computation for every context position at once.
+``attention_mask=None``). Training (eagle3.train.trainer) unrolls the same computation for every context position at once.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import nn
 
-from eagle3.verifier import VerifierSpec, load_verifier_head
+from eagle3.support.verifier import VerifierSpec, load_verifier_head
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -208,7 +208,7 @@ class DraftConfig(BaseModel):
             raise DraftConfigError(f"{where}: num_hidden_layers {cfg['num_hidden_layers']}: only 1 is supported")
         for key in ("norm_before_fc", "fc_norm", "norm_output"):
             if cfg.get(key) or (cfg.get("eagle_config") or {}).get(key):
-                raise DraftConfigError(f"{where}: option {key} is not supported by eagle3.model")
+                raise DraftConfigError(f"{where}: option {key} is not supported by eagle3.draft.model")
         aux = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
             "eagle_aux_hidden_state_layer_ids")
         if not aux:
@@ -283,7 +283,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class KVCache:
-    """Keys/values of the earlier training-time-test steps (see eagle3.train for the step layout).
+    """Keys/values of the earlier training-time-test steps (see eagle3.train.trainer for the step layout).
 
     ``keys[0]`` / ``values[0]`` are step 0 over all T entries (attended causally inside each packed sample);
     ``keys[s]`` for s >= 1 are step s at the same entries (each entry attends only to its own, the diagonal).
@@ -417,7 +417,7 @@ class Eagle3Draft(nn.Module):
                         device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Eagle3Draft:
         """Load a checkpoint folder (config.json + model.safetensors). Without ``embed_tokens`` in the file, the
         embedding is read from ``verifier_path`` (default: the verifier named in the folder's eagle3_run.json)."""
-        from eagle3.checkpoint import load_draft
+        from eagle3.draft.checkpoint import load_draft
 
         return load_draft(path, verifier_path=verifier_path, device=device, dtype=dtype)
 

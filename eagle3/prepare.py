@@ -63,10 +63,10 @@ import pyarrow as pa
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 
-from eagle3.io import atomic_path, atomic_write_json
-from eagle3.progress import Progress
+from eagle3.support.io import atomic_path, atomic_write_json
+from eagle3.support.progress import Progress
 
-log = logging.getLogger("eagle3.data")
+log = logging.getLogger("eagle3.prepare")
 
 STATS_FORMAT = "eagle3-prepared-data/1"
 DATA_EXTENSIONS = (".jsonl", ".json", ".parquet")

@@ -32,7 +32,7 @@ from pathlib import Path
 import psutil
 import torch
 
-log = logging.getLogger("eagle3.gpu")
+log = logging.getLogger("eagle3.support.gpu")
 
 LOCK_DIR_ENV = "EAGLE3_LOCK_DIR"
 DEFAULT_LOCK_DIR = "/tmp/eagle3-locks"  # host-local on purpose: a GPU lock must not span hosts

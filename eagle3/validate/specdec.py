@@ -1,16 +1,16 @@
 """Offline reference for the vLLM check: greedy chain speculative decoding with a transformers verifier + our draft.
 
-Pipeline position: train -> checkpoint -> validate (**this module**, beside the vLLM run of eagle3.vllm_check).
+Pipeline position: train -> checkpoint -> validate (**this module**, beside the vLLM run of eagle3.validate.vllm_check).
 
 It computes the figures vLLM reports (mean acceptance length, per-position acceptance; see
-``eagle3.vllm_check.AcceptanceStats``) on the same prompt token ids, without vLLM. When the two agree, training and
+``eagle3.validate.vllm_check.AcceptanceStats``) on the same prompt token ids, without vLLM. When the two agree, training and
 serving compute the same draft: same aux layers (vLLM convention, id k = HF ``hidden_states[k]``), same pairing of
 tokens, hidden states and positions, same pre-norm hidden fed forward.
 
 One round, mirroring vLLM 0.32 ``SpecDecodeBaseProposer.propose`` + greedy rejection sampling. The verifier has
 read x_0 .. x_{n-1} (its aux states a_0 .. a_{n-1}, a_i computed from x_0 .. x_i) and produced x_n::
 
-    draft entries (one causal pass, see eagle3.model):
+    draft entries (one causal pass, see eagle3.draft.model):
         position : 0        1        ..  n-1           n        ..  n-2+K
         token    : x_1      x_2      ..  x_n           d_1      ..  d_{K-1}
         hidden   : fc(a_0)  fc(a_1)  ..  fc(a_{n-1})   g_0      ..  g_{K-2}
@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3.model import Eagle3Draft
-from eagle3.vllm_check import (
+from eagle3.draft.model import Eagle3Draft
+from eagle3.validate.vllm_check import (
     AcceptanceStats,
     load_tokenizer,
     prompt_token_ids,

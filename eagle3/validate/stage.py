@@ -5,11 +5,11 @@ Pipeline position: train -> checkpoint -> **validate** -> serve.
 1. ``validate_checkpoint(draft_dir, verifier_path)`` reads config.json and the safetensors HEADER (then each float
    tensor once, for NaN/Inf) and checks them against the verifier and ../shared/EAGLE3_FACTS.md. Every failure is
    one ``Finding`` with a stable ``code`` and a message that names the field or tensor; the report lists them all.
-2. ``run_vllm_check`` runs ``eagle3.vllm_check`` in the vLLM interpreter (its own process group, killed on timeout or
-   cancellation, see eagle3.subproc): vLLM loads the verifier with the draft as its EAGLE-3 speculator, greedy-
+2. ``run_vllm_check`` runs ``eagle3.validate.vllm_check`` in the vLLM interpreter (its own process group, killed on timeout or
+   cancellation, see eagle3.support.subproc): vLLM loads the verifier with the draft as its EAGLE-3 speculator, greedy-
    generates on held-out chat prompts, reports acceptance from ``llm.get_metrics()``, and generates again without
    speculation: the token ids must be identical (temperature 0 is lossless).
-3. ``eagle3.specdec.offline_acceptance`` (optional, ``offline_reference``) computes the same figures with a
+3. ``eagle3.validate.specdec.offline_acceptance`` (optional, ``offline_reference``) computes the same figures with a
    transformers verifier and our draft; they must agree with vLLM's within ``parity_tolerance``.
 4. ``write_report`` writes report.json, report.md (markdown tables) and acceptance.png (per-position acceptance).
 
@@ -32,11 +32,11 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors import safe_open
 
-from eagle3.envs import REPO_ROOT, resolve_path, vllm_python, vllm_subprocess_env
-from eagle3.io import atomic_write_json, atomic_write_text, sha256_file
-from eagle3.subproc import SubprocessFailed, run_subprocess
-from eagle3.verifier import VerifierError, VerifierSpec
-from eagle3.vllm_check import read_prompt_messages
+from eagle3.support.io import atomic_write_json, atomic_write_text, sha256_file
+from eagle3.support.paths import REPO_ROOT, resolve_path, vllm_python, vllm_subprocess_env
+from eagle3.support.subproc import SubprocessFailed, run_subprocess
+from eagle3.support.verifier import VerifierError, VerifierSpec
+from eagle3.validate.vllm_check import read_prompt_messages
 
 log = logging.getLogger("eagle3")
 
@@ -46,7 +46,7 @@ RUN_INFO = "eagle3_run.json"
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                  "num_hidden_layers", "vocab_size", "draft_vocab_size", "rms_norm_eps", "max_position_embeddings")
-# options vLLM implements but eagle3.model (hence training and the offline reference) does not
+# options vLLM implements but eagle3.draft.model (hence training and the offline reference) does not
 UNSUPPORTED_OPTIONS = ("norm_before_fc", "fc_norm", "norm_output")
 _ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64", "I64": "int64",
               "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
@@ -94,7 +94,7 @@ class ValidateConfig(BaseModel):
         "in the same vLLM process and report its acceptance beside the trained one's; fails the verdict when "
         "training gained nothing. Costs one more engine start (a verifier load: ~22 min for Kimi-K2.5).")
     offline_reference: bool = Field(
-        False, description="Also run the offline reference (transformers verifier + our draft, eagle3.specdec) on "
+        False, description="Also run the offline reference (transformers verifier + our draft, eagle3.validate.specdec) on "
         "the same prompts and compare. Needs the verifier to fit in this process: tiny verifiers only.")
     parity_tolerance: float = Field(
         0.10, gt=0, description="Largest relative difference between offline and vLLM mean acceptance length "
@@ -233,12 +233,12 @@ def _check_config(cfg: dict, spec: VerifierSpec, rep: ValidationReport, where: s
                          f"them in another order than training")
     for opt in UNSUPPORTED_OPTIONS:
         if cfg.get(opt) or (isinstance(eagle_cfg, dict) and eagle_cfg.get(opt)):
-            rep.fail("unsupported_option", f"{where}: {opt} is set; vLLM would apply it but eagle3.model (training) "
+            rep.fail("unsupported_option", f"{where}: {opt} is set; vLLM would apply it but eagle3.draft.model (training) "
                      f"does not, so serving would compute another draft")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default":
         rep.fail("unsupported_option", f"{where}: rope type {rope.get('rope_type', rope.get('type'))!r}; "
-                 f"eagle3.model implements default RoPE only")
+                 f"eagle3.draft.model implements default RoPE only")
     if _is_int(spec.text_config.get("max_position_embeddings")) and \
             cfg["max_position_embeddings"] < spec.text_config["max_position_embeddings"]:
         rep.warn("max_position_embeddings", f"{where}: max_position_embeddings {cfg['max_position_embeddings']} < "
@@ -466,9 +466,9 @@ def validate_checkpoint(draft_dir: str | os.PathLike, verifier_path: str | os.Pa
 
 def run_vllm_check(cfg: ValidateConfig, verifier_path: str | os.PathLike, draft_dirs: list[str | os.PathLike],
                    prompts_path: str | os.PathLike, work_dir: str | os.PathLike) -> dict[str, Any]:
-    """Run eagle3.vllm_check in the vLLM interpreter for each draft (one subprocess, one baseline run).
+    """Run eagle3.validate.vllm_check in the vLLM interpreter for each draft (one subprocess, one baseline run).
 
-    Returns its result (see eagle3.vllm_check.run_check). Raises ``eagle3.subproc.SubprocessFailed`` when the
+    Returns its result (see eagle3.validate.vllm_check.run_check). Raises ``eagle3.support.subproc.SubprocessFailed`` when the
     subprocess fails or times out (its process group is killed), FileNotFoundError when there is no vLLM interpreter.
     """
     work_dir = Path(work_dir)
@@ -485,7 +485,7 @@ def run_vllm_check(cfg: ValidateConfig, verifier_path: str | os.PathLike, draft_
     }
     args_file = atomic_write_json(work_dir / "vllm_args.json", args)
     env = vllm_subprocess_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if cfg.engine_in_process else None)
-    cmd = [vllm_python(cfg.vllm_python), "-m", "eagle3.vllm_check", "--args-json", str(args_file)]
+    cmd = [vllm_python(cfg.vllm_python), "-m", "eagle3.validate.vllm_check", "--args-json", str(args_file)]
     log.info("[validate] vLLM check: %s", " ".join(cmd))
     run_subprocess(cmd, env=env, timeout_s=cfg.timeout_s, log_prefix="[vllm] ", cwd=REPO_ROOT).check()
     return json.loads(out.read_text())
@@ -497,8 +497,8 @@ def make_untrained_draft(draft_dir: str | os.PathLike, verifier_path: str | os.P
     trainer's step 0: verifier embedding, lm_head rows and final norm, seeded random layer), saved as a checkpoint."""
     from safetensors.torch import load_file
 
-    from eagle3.checkpoint import read_config, save_draft
-    from eagle3.model import Eagle3Draft
+    from eagle3.draft.checkpoint import read_config, save_draft
+    from eagle3.draft.model import Eagle3Draft
 
     cfg = read_config(draft_dir)
     tables = load_file(str(Path(draft_dir) / WEIGHTS))
@@ -587,7 +587,7 @@ def validate_draft(cfg: ValidateConfig, draft_dir: str | os.PathLike, verifier_p
                                f"min_mean_acceptance_length {cfg.min_mean_acceptance_length}")
 
     if cfg.offline_reference and structural.ok:
-        from eagle3.specdec import offline_acceptance
+        from eagle3.validate.specdec import offline_acceptance
 
         off = offline_acceptance(verifier_path, draft_dir, prompts_path, cfg.num_prompts, cfg.num_speculative_tokens,
                                  cfg.max_new_tokens, cfg.trust_remote_code)

@@ -13,7 +13,7 @@ Pipeline position: train -> **checkpoint** -> validate / vLLM.
                                  trainer_state.json (everything else: scheduler, counters, structure of the state)
 ```
 Only ``latest/`` holds optimizer state (a Kimi-size draft's Adam moments are ~8 GB per copy). Every folder is written
-under a temp name and renamed into place (eagle3.io.atomic_path).
+under a temp name and renamed into place (eagle3.support.io.atomic_path).
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from eagle3.io import atomic_path, atomic_write_json
-from eagle3.model import DraftConfig, Eagle3Draft
-from eagle3.verifier import find_tensor_names, read_tensor, torch_dtype
+from eagle3.draft.model import DraftConfig, Eagle3Draft
+from eagle3.support.io import atomic_path, atomic_write_json
+from eagle3.support.paths import REPO_ROOT
+from eagle3.support.verifier import find_tensor_names, read_tensor, torch_dtype
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -54,7 +55,7 @@ class CheckpointError(ValueError):
 
 def git_revision(root: str | os.PathLike | None = None) -> str | None:
     """``<sha>`` or ``<sha>-dirty`` of the checkout holding this package; None outside git."""
-    root = Path(root) if root else Path(__file__).resolve().parent.parent
+    root = Path(root) if root else REPO_ROOT
     try:
         sha = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                              timeout=10, check=True).stdout.strip()

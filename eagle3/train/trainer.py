@@ -4,7 +4,7 @@ Pipeline position: store + vocab -> **train** -> checkpoints -> validate.
 
 Lifecycle (``Trainer``): setup (check inputs, split, pack, build draft/teacher/optimizer, resume) -> train (epochs of
 optimizer steps; validation, vLLM-ready checkpoint, trainer state and plots after each epoch) -> cleanup.
-``train_draft`` runs it in this process, or launches ``torch.distributed.run`` workers (eagle3.ddp) when
+``train_draft`` runs it in this process, or launches ``torch.distributed.run`` workers (eagle3.train.launch) when
 ``nproc > 1``.
 
 Training-time test: K unrolled draft steps over every context position of a packed row at once
@@ -28,7 +28,7 @@ reading x_0 .. x_i, so f_i gives the verifier's distribution of x_{i+1})::
 
 Attention of step k, entry i: the step-0 entries 0 .. i of the SAME packed sample (the context, fc(aux) features, as
 vLLM's KV cache holds them) plus its own entries at steps 1 .. k (the diagonal: the chain's earlier draft steps).
-So entry i of step k is vLLM's draft step k of a chain whose first pass ended at position i (eagle3.model docstring),
+So entry i of step k is vLLM's draft step k of a chain whose first pass ended at position i (eagle3.draft.model docstring),
 except that step k reads the data token x_{i+1+k} where serving reads its own guess (equal whenever the chain is
 still accepted under greedy verification).
 
@@ -62,12 +62,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from eagle3 import checkpoint as ckpt
+from eagle3.draft import checkpoint as ckpt
+from eagle3.draft.model import DraftArchitecture, DraftConfig, Eagle3Draft
 from eagle3.extract.store import HiddenStateStore, StoreError, verifier_fingerprint
-from eagle3.io import atomic_write_json, atomic_write_text, sha256_file
-from eagle3.model import DraftArchitecture, DraftConfig, Eagle3Draft
-from eagle3.progress import Progress, fmt_duration
-from eagle3.verifier import VerifierSpec, load_verifier_head
+from eagle3.support.io import atomic_write_json, atomic_write_text, sha256_file
+from eagle3.support.progress import Progress, fmt_duration
+from eagle3.support.verifier import VerifierSpec, load_verifier_head
 from eagle3.vocab import load_mapping
 
 log = logging.getLogger("eagle3")
@@ -302,7 +302,7 @@ class TrainingTimeTest(nn.Module):
 
     def _unroll(self, batch: Batch, hidden: torch.Tensor, mask: torch.Tensor, t_p: torch.Tensor,
                 t_arg: torch.Tensor, t_ent: torch.Tensor, norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from eagle3.model import KVCache
+        from eagle3.draft.model import KVCache
 
         t = batch.input_ids.shape[1]
         cache = KVCache()
@@ -879,7 +879,7 @@ def train_draft(cfg: TrainConfig, store_dir: str | Path, vocab_path: str | Path,
     (``on_progress`` then stays silent: progress reaches the log through the workers' output).
     """
     if cfg.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        from eagle3.ddp import launch
+        from eagle3.train.launch import launch
 
         return launch(cfg, store_dir, vocab_path, verifier_path, out_dir, resume)
     return run_local(cfg, store_dir, vocab_path, verifier_path, out_dir, resume, Dist.from_env(), on_progress)

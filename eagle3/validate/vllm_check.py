@@ -1,11 +1,11 @@
 """The real vLLM check: EAGLE-3 speculative decoding with a draft checkpoint, measured acceptance, losslessness.
 
-Pipeline position: train -> checkpoint -> validate (eagle3.validate) -> **this module, in the vLLM environment**.
+Pipeline position: train -> checkpoint -> validate (eagle3.validate.stage) -> **this module, in the vLLM environment**.
 
-Runs as a subprocess of the vLLM interpreter (``eagle3.envs.vllm_python()``; eagle3.validate starts it through
-eagle3.subproc so its whole process group dies on timeout or cancellation):
+Runs as a subprocess of the vLLM interpreter (``eagle3.support.paths.vllm_python()``; eagle3.validate.stage starts it through
+eagle3.support.subproc so its whole process group dies on timeout or cancellation):
 
-    python -m eagle3.vllm_check --args-json <work>/vllm_args.json
+    python -m eagle3.validate.vllm_check --args-json <work>/vllm_args.json
 
 The args file names the verifier, the draft folders, the prompts and the settings; the result goes to
 ``args["out"]`` (JSON, written to a temp name and renamed). For every draft, the verifier is loaded with
@@ -23,7 +23,7 @@ held-out prompts; ``llm.get_metrics()`` gives
 Then the same verifier WITHOUT speculation generates on the same prompts: at temperature 0 speculative decoding is
 lossless, so the token ids must be identical.
 
-Imports: the standard library at module level (eagle3.specdec and eagle3.validate import the prompt helpers and
+Imports: the standard library at module level (eagle3.validate.specdec and eagle3.validate.stage import the prompt helpers and
 ``AcceptanceStats`` from here); transformers and vLLM only inside the functions that run in the vLLM environment.
 """
 
@@ -304,12 +304,12 @@ def run_check(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="EAGLE-3 draft check in vLLM (run by eagle3.validate).")
+    ap = argparse.ArgumentParser(description="EAGLE-3 draft check in vLLM (run by eagle3.validate.stage).")
     ap.add_argument("--args-json", required=True, help="JSON file with verifier, drafts, prompts_path, settings, out")
     ns = ap.parse_args(argv)
     args = json.loads(Path(ns.args_json).read_text())
     result = run_check(args)
-    from eagle3.io import atomic_write_json  # stdlib only: safe in the vLLM interpreter
+    from eagle3.support.io import atomic_write_json  # stdlib only: safe in the vLLM interpreter
 
     out = atomic_write_json(args["out"], result)
     _log(f"result written to {out}")

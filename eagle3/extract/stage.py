@@ -8,7 +8,7 @@ Order of work in ``extract_hidden_states``:
    input fails in seconds with one clear error and before any lock or model load;
 2. create or re-open the store; resume: drop temp files of this shard, keep finished samples whose file verifies
    against the manifest, repair the manifest (duplicates, torn lines, bad entries);
-3. take the host GPU lock (``eagle3.gpu.device_lock``) BEFORE the model loads, run the CUDA preflight;
+3. take the host GPU lock (``eagle3.support.gpu.device_lock``) BEFORE the model loads, run the CUDA preflight;
 4. load the verifier ONCE and stream batches: forward -> writer thread (overlaps disk with the next forward).
    An out-of-memory error halves the token budget and retries the same samples with the model still loaded.
 """
@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from eagle3.data import load_prepared
 from eagle3.extract import hf_backend
 from eagle3.extract.batching import Batch, TokenBudgetBatcher, pad_right
 from eagle3.extract.config import ExtractConfig
@@ -41,7 +40,8 @@ from eagle3.extract.store import (
     repair_manifest,
     store_meta,
 )
-from eagle3.gpu import (
+from eagle3.prepare import load_prepared
+from eagle3.support.gpu import (
     OutOfMemoryAfterRetries,
     cuda_preflight,
     device_lock,
@@ -49,9 +49,9 @@ from eagle3.gpu import (
     is_oom_error,
     lock_names,
 )
-from eagle3.io import sha256_file, sha256_json
-from eagle3.progress import Progress
-from eagle3.verifier import VerifierError, VerifierSpec
+from eagle3.support.io import sha256_file, sha256_json
+from eagle3.support.progress import Progress
+from eagle3.support.verifier import VerifierError, VerifierSpec
 
 log = logging.getLogger("eagle3.extract")
 

@@ -11,7 +11,7 @@ Stages that run code in another interpreter (the vLLM environment) go through ``
 * on timeout, on KeyboardInterrupt / task cancellation (any exception while waiting) the whole group gets SIGTERM,
   then SIGKILL after ``grace_s``; descendants that left the group (setsid) are found through psutil and killed too.
 
-    result = run_subprocess([python, "-m", "eagle3.vllm_check", ...], env=env, timeout_s=900, log_prefix="[vllm] ")
+    result = run_subprocess([python, "-m", "eagle3.validate.vllm_check", ...], env=env, timeout_s=900, log_prefix="[vllm] ")
     result.check()  # raises SubprocessFailed naming the command, the exit status and the last output lines
 """
 

@@ -1,12 +1,12 @@
 """Multi-process training: ``train_draft`` launches ``python -m torch.distributed.run`` running this module.
 
-Pipeline position: part of **train** (eagle3.train calls ``launch`` when ``nproc > 1``).
+Pipeline position: part of **train** (eagle3.train.trainer calls ``launch`` when ``nproc > 1``).
 
 The parent writes the job (settings + paths) to ``<out_dir>/launch.json``, starts torchrun with ``nproc`` workers
-(``--standalone``: one node, a free rendezvous port) through ``eagle3.subproc`` (own process group, reaped on
+(``--standalone``: one node, a free rendezvous port) through ``eagle3.support.subproc`` (own process group, reaped on
 cancellation), mirrors their output into the log (its last lines also into ``<out_dir>/torchrun.log``)
 and reads rank 0's result. Each worker joins the process group (gloo on cpu, nccl on cuda) and runs the same
-``eagle3.train.run_local`` as a single process; the global batch is split over the workers, so the run computes the
+``eagle3.train.trainer.run_local`` as a single process; the global batch is split over the workers, so the run computes the
 same losses as one process with the same ``batch_size``. A worker's bad-input error is re-raised in the parent with
 its own message.
 """
@@ -20,9 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from eagle3.envs import REPO_ROOT
-from eagle3.io import atomic_write_json, atomic_write_text
-from eagle3.subproc import run_subprocess
+from eagle3.support.io import atomic_write_json, atomic_write_text
+from eagle3.support.paths import REPO_ROOT
+from eagle3.support.subproc import run_subprocess
 
 log = logging.getLogger("eagle3")
 
@@ -34,7 +34,7 @@ LOG = "torchrun.log"
 def launch(cfg, store_dir: str | Path, vocab_path: str | Path, verifier_path: str | Path, out_dir: str | Path,
            resume: bool = True) -> dict[str, Any]:
     """Run ``cfg.nproc`` torchrun workers on this machine and return rank 0's training manifest."""
-    from eagle3.train import RESULT, TrainError
+    from eagle3.train.trainer import RESULT, TrainError
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -44,7 +44,7 @@ def launch(cfg, store_dir: str | Path, vocab_path: str | Path, verifier_path: st
            "verifier_path": str(verifier_path), "out_dir": str(out_dir), "resume": resume}
     atomic_write_json(out_dir / JOB, job)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.nproc}",
-           "-m", "eagle3.ddp", str(out_dir / JOB)]
+           "-m", "eagle3.train.launch", str(out_dir / JOB)]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
@@ -67,7 +67,7 @@ def main(job_path: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from eagle3.train import Dist, TrainConfig, TrainError, run_local
+    from eagle3.train.trainer import Dist, TrainConfig, TrainError, run_local
 
     job = json.loads(Path(job_path).read_text())
     d = Dist.from_env()

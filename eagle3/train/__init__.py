@@ -1,0 +1,1 @@
+"""Stage: train the EAGLE-3 draft on the hidden-state store (training-time test)."""
