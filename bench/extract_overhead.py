@@ -54,7 +54,7 @@ def main() -> None:
         ds_dir = save_dataset(tmp / "ds", args.samples, args.min_len, args.max_len)
         spec = VerifierSpec.from_path(verifier)
         ds, lengths = open_dataset(ds_dir, spec.vocab_size)
-        aux = spec.default_aux_layer_ids()
+        aux = spec.resolve_aux_layer_ids(None)
         cfg = {"verifier": str(verifier), "aux_layer_ids": aux, "store_dtype": "bfloat16", "device": "cpu",
                "max_tokens_per_batch": args.max_tokens_per_batch, "max_samples_per_batch": 64,
                "lock_dir": str(tmp / "locks"), "log_every_samples": 0, "log_every_seconds": 0, "resume_check": "size"}

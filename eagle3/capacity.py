@@ -267,7 +267,7 @@ def plan_capacity(
     """
     spec = VerifierSpec.from_path(verifier_path)
     aux = [int(k) for k in aux_layer_ids]
-    spec.check_aux_layer_ids(aux)
+    aux = spec.resolve_aux_layer_ids(aux)
     if max_seq_len <= 0:
         raise CapacityError(f"max_seq_len must be a positive number of tokens, got {max_seq_len}")
     lengths = sample_lengths(dataset) if isinstance(dataset, (str, Path)) else np.asarray(dataset, dtype=np.int64)

@@ -63,6 +63,7 @@ import pyarrow as pa
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 
+from eagle3.support.chat import FORMATS, canonical_role, detect_format
 from eagle3.support.io import atomic_path, atomic_write_json
 from eagle3.support.progress import Progress
 
@@ -72,15 +73,6 @@ STATS_FORMAT = "eagle3-prepared-data/1"
 DATA_EXTENSIONS = (".jsonl", ".json", ".parquet")
 FIRST_INDICES_KEPT = 5
 _RENDER_BATCH = 256  # conversations rendered + tokenised per batched tokenizer call
-
-ROLE_ALIASES = {
-    "system": "system",
-    "user": "user",
-    "human": "user",
-    "assistant": "assistant",
-    "gpt": "assistant",
-}
-
 
 class DataError(ValueError):
     """Bad input to the data stage; the message names the source, file, field or tokenizer path."""
@@ -345,10 +337,10 @@ def _check_text(text: Any) -> str:
 def normalize_row(row: dict, fmt: str = "auto") -> list[dict[str, str]]:
     """ShareGPT or OpenAI row -> ``[{"role": system|user|assistant, "content": str}, ...]``; raises BadRow."""
     if fmt == "auto":
-        fmt = "openai" if "messages" in row else "sharegpt" if "conversations" in row else ""
-        if not fmt:
+        fmt = detect_format(row)
+        if fmt is None:
             raise BadRow("missing_field", "row has neither 'messages' nor 'conversations'")
-    key, role_key, text_key = ("messages", "role", "content") if fmt == "openai" else ("conversations", "from", "value")
+    key, role_key, text_key = FORMATS[fmt]
     turns = row.get(key)
     if not isinstance(turns, list) or not turns:
         raise BadRow("missing_field", f"'{key}' is missing or not a non-empty list")
@@ -358,7 +350,7 @@ def normalize_row(row: dict, fmt: str = "auto") -> list[dict[str, str]]:
     for turn in turns:
         if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
             raise BadRow("missing_field", f"a message lacks '{role_key}' or '{text_key}'")
-        role = ROLE_ALIASES.get(turn[role_key]) if isinstance(turn[role_key], str) else None
+        role = canonical_role(turn[role_key])
         if role is None:
             raise BadRow("unknown_role", repr(turn[role_key]))
         messages.append({"role": role, "content": _check_text(turn[text_key])})

@@ -30,7 +30,6 @@ import math
 import pkgutil
 import random
 import re
-import subprocess
 import sys
 import time
 import warnings
@@ -39,12 +38,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from eagle3.support import chat
+from eagle3.support.paths import BUNDLED_DATA, BUNDLED_VERIFIER
+from eagle3.support.provenance import git_revision as current_revision
+from eagle3.support.provenance import versions
+from eagle3.train.schedule import lr_at
+
 if TYPE_CHECKING:
     import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DATA_DIR = REPO_ROOT / "data" / "stdlib-chat"
-DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "tiny-chat-verifier"
+DEFAULT_DATA_DIR = BUNDLED_DATA
+DEFAULT_MODEL_DIR = BUNDLED_VERIFIER
 
 # ---------------------------------------------------------------------------------------------------------------
 # Conversations from standard-library docstrings
@@ -363,17 +367,12 @@ def split_conversations(conversations: Sequence[Conversation]) -> dict[str, list
 # ShareGPT / OpenAI jsonl
 # ---------------------------------------------------------------------------------------------------------------
 
-SHAREGPT_ROLE = {"system": "system", "user": "human", "assistant": "gpt"}
-OPENAI_ROLE = {v: k for k, v in SHAREGPT_ROLE.items()}
-
-
 def to_sharegpt(conv: Conversation) -> dict:
-    turns = [{"from": SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in conv.messages]
-    return {"id": conv.id, "conversations": turns}
+    return chat.to_sharegpt(conv.messages, id=conv.id)
 
 
 def to_openai(conv: Conversation) -> dict:
-    return {"messages": [{"role": m["role"], "content": m["content"]} for m in conv.messages]}
+    return chat.to_openai(conv.messages)
 
 
 def _write_jsonl(path: Path, records: Iterable[dict]) -> int:
@@ -402,12 +401,11 @@ def read_messages(path: Path) -> list[list[dict[str, str]]]:
     with Path(path).open(encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             record = json.loads(line)
-            if "messages" in record:
-                out.append([{"role": m["role"], "content": m["content"]} for m in record["messages"]])
-            elif "conversations" in record:
-                out.append([{"role": OPENAI_ROLE[t["from"]], "content": t["value"]} for t in record["conversations"]])
-            else:
+            fmt = chat.detect_format(record)
+            if fmt is None:
                 raise ValueError(f"{path}:{line_no}: neither 'messages' nor 'conversations'")
+            key, role_key, text_key = chat.FORMATS[fmt]
+            out.append([{"role": chat.canonical_role(t[role_key]), "content": t[text_key]} for t in record[key]])
     return out
 
 
@@ -582,10 +580,7 @@ def pack(docs: Sequence[list[int]], seq_len: int, rng: random.Random | None = No
 
 
 def _lr_at(step: int, s: TrainSettings) -> float:
-    if step < s.warmup_steps:
-        return s.lr * (step + 1) / s.warmup_steps
-    progress = (step - s.warmup_steps) / max(1, s.steps - s.warmup_steps)
-    return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return lr_at(step, s.steps, s.lr, s.warmup_steps, "cosine", s.min_lr_ratio)
 
 
 def _batches(docs: Sequence[list[int]], s: TrainSettings):
@@ -744,28 +739,6 @@ def load_model(model_dir: Path = DEFAULT_MODEL_DIR, dtype: str = "float32"):
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
 
 
-def _git_revision() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _versions() -> dict[str, str]:
-    import tokenizers
-    import torch
-    import transformers
-
-    return {
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "tokenizers": tokenizers.__version__,
-    }
-
-
 def write_model_card(
     model_dir: Path,
     manifest: dict,
@@ -785,8 +758,8 @@ def write_model_card(
         "history": history,
         "evaluation": evaluation,
         "data_manifest_sha256": manifest["sha256"],
-        "versions": _versions(),
-        "git_revision": git_revision or _git_revision(),
+        "versions": versions(),
+        "git_revision": git_revision or current_revision() or "unknown",
         "command": command,
     }
     (model_dir / "training.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -904,7 +877,7 @@ def build_tiny_verifier(
 ) -> dict:
     """Rebuild data, tokenizer and (unless `train_model` is False) the model and its card; returns a summary."""
     settings = settings or TrainSettings()
-    revision = _git_revision()  # of the code that runs, before hours of training
+    revision = current_revision() or "unknown"  # of the code that runs, before hours of training
     conversations, manifest, tokenizer = build_data_and_tokenizer(data_dir, model_dir, seed=settings.seed)
     log(f"[data] {json.dumps(manifest['counts'])}; eval modules {manifest['eval_top_level_modules']}")
     if not train_model:

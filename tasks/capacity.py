@@ -20,7 +20,7 @@ def plan_capacity_task(cfg: CapacityConfig, extract: ExtractConfig, inputs: dict
     """
     out_dir = stage_dir(run_dir, "plan-capacity",
                         {"cfg": cfg, "extract": extract, "inputs": inputs, "data": data, "run_dir": run_dir})
-    aux = extract.aux_layer_ids or VerifierSpec.from_path(extract.verifier).default_aux_layer_ids()
+    aux = VerifierSpec.from_path(extract.verifier).resolve_aux_layer_ids(extract.aux_layer_ids)
     plan = plan_capacity(extract.verifier, aux, data["dataset_path"], run_dir, cfg, max_seq_len=data["max_seq_len"])
     path = plan.save_plan(out_dir)
     summary = plan.summary()

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from conftest import REPO
 from safetensors import safe_open
 
 from scripts import tiny_verifier as bundled
@@ -154,7 +155,7 @@ def test_builder_is_deterministic_across_processes_and_hash_seeds():
     other = subprocess.run(
         [sys.executable, "-c", code, *SUBSET],
         env=env,
-        cwd=bundled.REPO_ROOT,
+        cwd=REPO,
         capture_output=True,
         text=True,
         check=True,

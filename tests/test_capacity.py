@@ -11,7 +11,8 @@ import torch
 
 from eagle3.capacity import CapacityConfig, CapacityError, plan_capacity, sample_lengths, store_file_bytes
 from eagle3.extract.store import serialize_sample
-from eagle3.support.verifier import VerifierError, torch_dtype
+from eagle3.support.dtypes import torch_dtype
+from eagle3.support.verifier import VerifierError
 
 KIMI_AUX = [2, 30, 58]  # vLLM convention: residual streams entering decoder layers 2, 30, 58
 KIMI_HEADER_512 = 376  # safetensors header (8-byte length + padded JSON + metadata) of store file 0, 512 tokens

@@ -108,9 +108,9 @@ def test_extraction_refuses_held_lock_before_loading(tiny_llama_verifier, tmp_pa
 
 def test_lock_names_per_gpu_or_host(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
-    assert lock_names("cuda:1") == ["gpu-6"]
-    assert lock_names(None, {"model.layers.0": "cuda:0", "lm_head": "cuda:1"}) == ["gpu-4", "gpu-6"]
-    assert lock_names("cpu") == ["host-cpu"]
+    assert lock_names([1]) == ["gpu-6"]  # CUDA index 1 is physical GPU 6
+    assert lock_names([0, 1]) == ["gpu-4", "gpu-6"]
+    assert lock_names([]) == ["host-cpu"]
 
 
 def test_is_oom_error_classification():

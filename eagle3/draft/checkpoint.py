@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import re
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +30,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from eagle3.draft.model import DraftConfig, Eagle3Draft
+from eagle3.support.dtypes import torch_dtype
 from eagle3.support.io import atomic_path, atomic_write_json
-from eagle3.support.paths import REPO_ROOT
-from eagle3.support.verifier import find_tensor_names, read_tensor, torch_dtype
+from eagle3.support.provenance import git_revision, versions
+from eagle3.support.verifier import find_tensor_names, read_tensor
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -48,32 +47,6 @@ BUFFERS = ("d2t", "t2d")
 
 class CheckpointError(ValueError):
     """A checkpoint or trainer-state folder is missing files or holds the wrong tensors; the message names it."""
-
-
-# ----------------------------------------------------------------------------- provenance
-
-
-def git_revision(root: str | os.PathLike | None = None) -> str | None:
-    """``<sha>`` or ``<sha>-dirty`` of the checkout holding this package; None outside git."""
-    root = Path(root) if root else REPO_ROOT
-    try:
-        sha = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10, check=False).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return f"{sha}-dirty" if dirty else sha
-
-
-def versions() -> dict[str, str]:
-    import safetensors
-    import transformers
-
-    import eagle3
-
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "safetensors": safetensors.__version__, "eagle3": getattr(eagle3, "__version__", "unknown")}
 
 
 # ----------------------------------------------------------------------------- vLLM-ready draft folder

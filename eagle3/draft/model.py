@@ -129,7 +129,7 @@ class DraftConfig(BaseModel):
         """Draft config from the verifier's config (``spec``) and the user's ``arch`` overrides."""
         arch = arch or DraftArchitecture()
         text = spec.text_config
-        spec.check_aux_layer_ids(aux_layer_ids)
+        aux_layer_ids = spec.resolve_aux_layer_ids(aux_layer_ids)
         heads = arch.num_attention_heads or int(text.get("num_attention_heads") or 0)
         if not heads:
             raise DraftConfigError(f"verifier {spec.path} has no num_attention_heads: set num_attention_heads")

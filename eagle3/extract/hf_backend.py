@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from eagle3.support.verifier import VerifierError, VerifierSpec, find_tensor_names, torch_dtype
+from eagle3.support.dtypes import torch_dtype
+from eagle3.support.verifier import VerifierError, VerifierSpec, find_tensor_names
 
 log = logging.getLogger("eagle3.extract")
 

@@ -15,7 +15,6 @@ Order of work in ``extract_hidden_states``:
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -51,7 +50,7 @@ from eagle3.support.gpu import (
 )
 from eagle3.support.io import sha256_file, sha256_json
 from eagle3.support.progress import Progress
-from eagle3.support.verifier import VerifierError, VerifierSpec
+from eagle3.support.verifier import VerifierSpec
 
 log = logging.getLogger("eagle3.extract")
 
@@ -93,17 +92,6 @@ class ExtractResult:
 
 
 # ------------------------------------------------------------------------------------------------- input checks
-
-
-def check_aux_layer_ids(spec: VerifierSpec, ids: list[int] | None) -> list[int]:
-    """Aux ids in vLLM's convention, defaulted and checked (range, strictly increasing: vLLM concatenates aux states
-    in ascending layer order, so the stored order must be that order too)."""
-    ids = sorted(set(spec.default_aux_layer_ids())) if ids is None else list(ids)  # tiny L: vLLM dedupes too
-    spec.check_aux_layer_ids(ids)
-    if any(b <= a for a, b in itertools.pairwise(ids)):
-        raise VerifierError(f"aux_layer_ids {ids} must be strictly increasing (vLLM concatenates aux states in "
-                            f"ascending layer order; vLLM convention: id k = residual stream entering layer k)")
-    return ids
 
 
 def open_dataset(dataset_dir: str | Path, vocab_size: int | None = None):
@@ -314,7 +302,7 @@ def extract_hidden_states(
     store at ``out_dir``; resumes an interrupted run. ``oom_injector`` is a test hook (see ``OomInjector``)."""
     cfg = ExtractConfig.model_validate(cfg)
     spec = VerifierSpec.from_path(cfg.verifier)
-    aux_ids = check_aux_layer_ids(spec, cfg.aux_layer_ids)
+    aux_ids = spec.resolve_aux_layer_ids(cfg.aux_layer_ids)
     ds, lengths = open_dataset(dataset_dir, spec.vocab_size)
     start, end = _shard(cfg, len(ds))
     store_dir = Path(out_dir)

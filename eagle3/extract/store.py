@@ -73,28 +73,10 @@ def sample_relpath(index: int, group_size: int) -> str:
     return f"{group_dir_name(index, group_size)}/sample_{index:09d}.safetensors"
 
 
-def verifier_fingerprint(verifier: str | os.PathLike) -> str:
-    """sha256 of ``config.json`` + the weight index (sharded checkpoints; cheap even for a 1 TB verifier).
+def _verifier_fingerprint(verifier: str | os.PathLike) -> str:
+    from eagle3.support.verifier import verifier_fingerprint  # the one recipe (imported late: pydantic)
 
-    A single-file checkpoint has no index: its ``model.safetensors`` content is hashed instead (such models are small).
-    """
-    root = Path(verifier)
-    h = hashlib.sha256()
-    cfg = root / "config.json"
-    if not cfg.is_file():
-        raise StoreError(f"verifier config not found: {cfg}")
-    h.update(cfg.read_bytes())
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        h.update(index.read_bytes())
-    else:
-        files = sorted(root.glob("*.safetensors"))
-        if not files:
-            raise StoreError(f"no safetensors weights in {root}")
-        for f in files:
-            h.update(f.name.encode())
-            h.update(sha256_file(f).encode())
-    return h.hexdigest()
+    return verifier_fingerprint(verifier)
 
 
 def store_meta(
@@ -116,7 +98,7 @@ def store_meta(
     return {
         "format": FORMAT,
         "verifier": str(verifier),
-        "verifier_fingerprint": fingerprint if fingerprint is not None else verifier_fingerprint(verifier),
+        "verifier_fingerprint": fingerprint if fingerprint is not None else _verifier_fingerprint(verifier),
         "aux_layer_ids": [int(k) for k in aux_layer_ids],
         "hidden_size": int(hidden_size),
         "n_aux": len(aux_layer_ids),
@@ -141,7 +123,7 @@ def init_store(
 ) -> dict[str, Any]:
     """Create a store folder with its ``store.json`` (or check an existing one); returns the metadata in force.
 
-    ``aux_layer_ids`` in vLLM's convention; ``fingerprint`` defaults to ``verifier_fingerprint(verifier)``.
+    ``aux_layer_ids`` in vLLM's convention; ``fingerprint`` defaults to eagle3.support.verifier.verifier_fingerprint(verifier).
     """
     meta = store_meta(verifier=verifier, aux_layer_ids=aux_layer_ids, hidden_size=hidden_size, dtype=dtype,
                       num_samples=num_samples, backend=backend, group_size=group_size, fingerprint=fingerprint)

@@ -4,10 +4,12 @@
   (``host-cpu.lock``), taken BEFORE the model loads. The kernel drops a flock when the last descriptor of the open
   file closes, i.e. when the holder dies for any reason (``kill -9`` included), so the lock never goes stale and
   needs no server. After locking, the holder writes its PID, command line and start time into the file so a waiting
-  job can say who holds the GPU.
-* ``is_oom_error``: True for ``torch.cuda.OutOfMemoryError`` / ``torch.OutOfMemoryError`` and for CPU allocation
-  failures (``RuntimeError`` "DefaultCPUAllocator: can't allocate memory", ``MemoryError``). The extraction loop and
-  the flow's retry condition use it.
+  job can say who holds the GPU. ``DeviceGuard`` is the shape of the guard every GPU stage enters (extraction,
+  training, validation, regeneration); ``file_lock_guard`` is this lock alone, the pipeline's tasks add the Prefect
+  concurrency slots around it (tasks/common.py ``gpu_guard``).
+* ``is_oom_error`` / ``is_oom_text``: THE out-of-memory classifier (the extraction loop, vLLM's log tail, the flow's
+  OOM-only retry condition): ``torch.cuda.OutOfMemoryError`` / ``torch.OutOfMemoryError``, ``MemoryError`` and
+  allocator failures reported as ``RuntimeError`` text, anywhere in the cause chain.
 * ``cuda_preflight``: free memory per GPU (``torch.cuda.mem_get_info``); when low, names the processes that hold
   GPUs (pynvml or ``nvidia-smi`` when available).
 """
@@ -23,27 +25,34 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import psutil
 import torch
+from pydantic import BaseModel, Field
 
 log = logging.getLogger("eagle3.support.gpu")
 
 LOCK_DIR_ENV = "EAGLE3_LOCK_DIR"
-DEFAULT_LOCK_DIR = "/tmp/eagle3-locks"  # host-local on purpose: a GPU lock must not span hosts
+# host-local on purpose (a GPU lock must not span hosts), per user (a folder others may write to lets them plant
+# symlinks); every checkout of the same user on this host shares it, which is what guards the GPUs
+DEFAULT_LOCK_DIR = f"/tmp/eagle3-locks-{os.getuid()}"
 _POLL_SECONDS = 0.2
 
-_OOM_MESSAGES = (
-    "out of memory",  # CUDA / HIP: "CUDA out of memory. Tried to allocate ..."
+OOM_MARKERS = (  # lower-case substrings of allocator failures (torch errors and vLLM's log lines)
+    "out of memory",  # CUDA / HIP: "CUDA out of memory. Tried to allocate ..."; torch.OutOfMemoryError
     "can't allocate memory",  # DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes
-    "not enough memory",  # DefaultCPUAllocator on Windows / some builds
     "cannot allocate memory",  # errno ENOMEM surfaced through torch
+    "not enough memory",  # DefaultCPUAllocator on Windows / some builds
     "failed to allocate",
+    "outofmemoryerror",  # a traceback's exception name in a subprocess log
+    "no available memory for the cache blocks",  # vLLM: the KV cache does not fit after loading the model
 )
 
 
@@ -55,17 +64,28 @@ class GpuBusyError(RuntimeError):
     """The GPU / host lock is held by another process; the message names its PID, command line and start time."""
 
 
-def is_oom_error(exc: BaseException) -> bool:
-    """True when ``exc`` is an out-of-memory failure that a smaller batch may avoid (GPU or CPU allocator)."""
-    if isinstance(exc, OutOfMemoryAfterRetries):
-        return False  # already retried down to the floor: retrying the task will not help
+def is_oom_text(text: str) -> bool:
+    """True when a log text (e.g. a subprocess's last lines) reports an allocation failure."""
+    low = text.lower()
+    return any(m in low for m in OOM_MARKERS)
+
+
+def is_oom_error(exc: BaseException | None) -> bool:
+    """True when ``exc`` or an exception in its cause chain is an out-of-memory failure that a smaller batch may
+    avoid (GPU or CPU allocator). Never for ``OutOfMemoryAfterRetries`` (the job already halved its budget down to
+    the floor: retrying cannot help), and never for bad-input errors (``ValueError``), whatever their text."""
     oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None),
                                   getattr(torch.cuda, "OutOfMemoryError", None)) if t is not None)
-    if isinstance(exc, (*oom_types, MemoryError)):
-        return True
-    if isinstance(exc, RuntimeError):
-        msg = str(exc).lower()
-        return any(m in msg for m in _OOM_MESSAGES)
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OutOfMemoryAfterRetries):
+            return False
+        if isinstance(exc, (*oom_types, MemoryError)):
+            return True
+        if isinstance(exc, RuntimeError) and is_oom_text(str(exc)):
+            return True
+        exc = exc.__cause__ or exc.__context__
     return False
 
 
@@ -79,33 +99,65 @@ def free_memory(device: torch.device | str | None = None) -> None:
 # ---------------------------------------------------------------------------------------------------- host lock
 
 
+class LockSettings(BaseModel):
+    """Where the host's GPU lock files live and how long a job waits for a busy one (the pipeline's host config)."""
+
+    lock_dir: str | None = Field(
+        None, description="Host-local folder of the GPU/host lock files; None = $EAGLE3_LOCK_DIR or "
+        "/tmp/eagle3-locks-<uid>. Must belong to this user and not be writable by others. Every checkout of the "
+        "same user on this host shares it: that is what keeps two runs off the same GPUs.",
+        json_schema_extra={"changes_output": False})
+    lock_wait_seconds: float = Field(
+        0.0, description="Seconds to wait for a busy GPU/host lock: 0 = fail at once naming the holder, < 0 = "
+        "forever.", json_schema_extra={"changes_output": False})
+
+
+class LockDirError(RuntimeError):
+    """The lock folder is not safe to use (owned by another user, writable by others, or not a folder)."""
+
+
 def lock_dir(explicit: str | os.PathLike | None = None) -> Path:
-    return Path(explicit or os.environ.get(LOCK_DIR_ENV) or DEFAULT_LOCK_DIR)
+    """The lock folder, created owner-only when missing; refused when another user owns it or others may write
+    to it (they could plant a symlink named like a lock file)."""
+    root = Path(explicit or os.environ.get(LOCK_DIR_ENV) or DEFAULT_LOCK_DIR)
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(root)
+    except OSError as e:
+        raise LockDirError(f"lock folder {root} cannot be created or read: {e}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise LockDirError(f"lock folder {root} is not a folder (a symlink or a file is refused)")
+    if st.st_uid != os.getuid():
+        raise LockDirError(f"lock folder {root} belongs to uid {st.st_uid}, not to this user ({os.getuid()}): "
+                           f"set host.lock_dir or {LOCK_DIR_ENV} to a folder of your own")
+    if st.st_mode & 0o022:
+        raise LockDirError(f"lock folder {root} is writable by others (mode {stat.filemode(st.st_mode)}): "
+                           f"chmod go-w it, or set host.lock_dir / {LOCK_DIR_ENV} to a private folder")
+    return root
 
 
-def lock_names(device: str | torch.device | None, device_map: object = None) -> list[str]:
-    """Lock-file stems for the devices a job will use: one per GPU (physical id or UUID as CUDA_VISIBLE_DEVICES
-    names it), or ``host-cpu`` for a CPU job. ``device_map`` values (``"auto"``, dicts of layer -> device) mean:
-    every visible GPU that may be used."""
-    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-
-    def physical(i: int) -> str:
-        return f"gpu-{visible[i] if i < len(visible) else i}"
-
+def cuda_device_ids(device: str | None = None, device_map: object = None, count: int | None = None) -> list[int]:
+    """CUDA device indices a job will use (empty without CUDA): ``count`` devices 0..count-1 (tensor parallel,
+    torchrun), or every device a ``device_map`` names ("auto" = all visible), or the one ``device``."""
+    if not torch.cuda.is_available():
+        return []
+    if count is not None:
+        return list(range(count))
     if device_map is not None:
         if isinstance(device_map, dict):
-            ids = sorted({torch.device(d).index or 0 for d in device_map.values()
-                          if str(d) not in ("cpu", "disk") and not str(d).startswith("cpu")})
-            if not ids and any(str(d) not in ("cpu", "disk") for d in device_map.values()):
-                ids = [0]
-        else:
-            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            ids = list(range(n))
-        return [physical(i) for i in ids] or ["host-cpu"]
-    dev = torch.device(device or "cpu")
-    if dev.type == "cuda":
-        return [physical(dev.index or 0)]
-    return [f"host-{dev.type}"]
+            ids = {torch.device(d).index or 0 if isinstance(d, str) else int(d)
+                   for d in device_map.values() if not str(d).startswith(("cpu", "disk"))}
+            return sorted(ids)
+        return list(range(torch.cuda.device_count()))
+    dev = torch.device("cuda:0" if device in (None, "auto") else device)
+    return [dev.index or 0] if dev.type == "cuda" else []
+
+
+def lock_names(gpu_ids: list[int]) -> list[str]:
+    """Lock-file stems: one per GPU, named by its physical id (or UUID) as CUDA_VISIBLE_DEVICES names it, or
+    ``host-cpu`` for a job that uses no GPU."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return [f"gpu-{visible[i] if i < len(visible) else i}" for i in gpu_ids] or ["host-cpu"]
 
 
 def _holder_info() -> dict:
@@ -153,13 +205,18 @@ def device_lock(
     """
     logger = logger or log
     root = lock_dir(directory)
-    root.mkdir(parents=True, exist_ok=True)
     fds: list[int] = []
     try:
         for name in sorted(set(names)):
             path = root / f"{name}.lock"
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:  # never through a symlink: a planted one would make us truncate and overwrite its target
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                raise LockDirError(f"lock file {path} cannot be opened ({e.strerror}; a symlink there is refused)"
+                                   ) from None
             fds.append(fd)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise LockDirError(f"lock file {path} is not a regular file")
             deadline = time.monotonic() + wait_seconds if wait_seconds >= 0 else float("inf")
             announced = False
             while True:
@@ -248,3 +305,20 @@ def cuda_preflight(devices: list[int] | None = None, min_free_fraction: float = 
             f"min_free_gpu_memory_fraction). Processes holding GPUs:\n{gpu_processes()}"
         )
     return report
+
+
+# ---------------------------------------------------------------------------------------------------- the guard
+
+# A guard takes the CUDA device indices a stage will use (empty: CPU) and holds them for the block, yielding the
+# lock file descriptors (hand them to subprocesses with ``pass_fds`` so the lock lives as long as they do).
+DeviceGuard = Callable[[list[int]], AbstractContextManager[list[int]]]
+
+
+def file_lock_guard(settings: LockSettings | None = None, logger: logging.Logger | None = None) -> DeviceGuard:
+    """The host file lock alone (library callers; the pipeline's tasks wrap it with Prefect's slots)."""
+    settings = settings or LockSettings()
+
+    def guard(gpu_ids: list[int]) -> AbstractContextManager[list[int]]:
+        return device_lock(lock_names(gpu_ids), settings.lock_dir, settings.lock_wait_seconds, logger=logger)
+
+    return guard

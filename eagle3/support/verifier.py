@@ -1,7 +1,12 @@
-"""What the pipeline needs to know about a verifier without loading it.
+"""What the pipeline needs to know about a verifier without loading it; the owner of the verifier's identity.
 
 * ``VerifierSpec.from_path`` reads ``config.json`` alone (nested ``text_config`` as in Kimi-K2.5, whose language
   model is a DeepseekV3 model under the ``language_model.`` prefix).
+* ``verifier_fingerprint`` is THE recipe of a verifier's content identity (cache keys, the store's ``store.json``,
+  training's store check); ``describe_verifier`` wraps it with the path as a ``VerifierIdentity``.
+* ``resolve_aux_layer_ids`` is THE rule for aux layers (vLLM's default when unset, range and order checks): capacity
+  planning, extraction and the draft config all call it.
+* ``teacher_logits`` is THE teacher head (final RMSNorm + lm_head rows on the stored pre-norm final state).
 * ``find_tensor_names`` / ``load_verifier_head`` open only the safetensors shards that hold the embedding, the
   final norm and ``lm_head`` (through ``model.safetensors.index.json``), matching names by suffix so nested
   prefixes work, and read only the ``lm_head`` rows of the draft vocabulary.
@@ -11,14 +16,23 @@ Layer ids follow vLLM's convention: id k = residual stream ENTERING decoder laye
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 from safetensors import safe_open
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from eagle3.support.io import sha256_file
+
+# weights up to this many bytes in total are hashed in full (the bundled and SmolLM2 verifiers: seconds); beyond,
+# each shard's safetensors header (names, dtypes, shapes, offsets) and size stand for it (Kimi-K2.5: 547 GB)
+FULL_HASH_MAX_BYTES = 2 << 30
+_IDENTITY_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
+_TOKENIZER_GLOBS = ("tokenizer*", "*.jinja", "special_tokens*", "chat_template*", "*.tiktoken", "*.model")
 
 
 class VerifierError(ValueError):
@@ -41,6 +55,9 @@ class VerifierSpec:
     def from_path(cls, path: str | Path) -> VerifierSpec:
         path = Path(path)
         cfg_file = path / "config.json"
+        if not path.exists():
+            raise VerifierError(f"verifier not found: {path} does not exist (verifier_path: a Hugging Face model "
+                                f"folder with config.json and safetensors weights)")
         if not path.is_dir():
             raise VerifierError(f"verifier path {path} is not a folder (expected a Hugging Face model folder)")
         if not cfg_file.is_file():
@@ -66,21 +83,74 @@ class VerifierSpec:
             nested="text_config" in cfg,
         )
 
-    def default_aux_layer_ids(self) -> list[int]:
-        """vLLM's default aux layers (2, L//2, L-3) in vLLM's convention; Kimi-K2.5 (L=61): [2, 30, 58]."""
-        n = self.num_hidden_layers
-        return [2, n // 2, n - 3]
+    def resolve_aux_layer_ids(self, ids: list[int] | None) -> list[int]:
+        """Aux layer ids in vLLM's convention (id k = residual stream ENTERING decoder layer k), defaulted and checked.
 
-    def check_aux_layer_ids(self, ids: list[int]) -> None:
-        """Aux ids must name a residual stream entering a decoder layer: 0 <= k < num_hidden_layers (vLLM)."""
+        None = vLLM's default (2, L//2, L-3), deduplicated and ascending as vLLM uses them (Kimi-K2.5, L=61:
+        [2, 30, 58]; a 4-layer verifier: [1, 2]). Given ids must be in 0 <= k < L and strictly increasing: vLLM
+        concatenates aux states in ascending layer order, so the stored order must be that order too.
+        """
+        n = self.num_hidden_layers
+        ids = sorted({2, n // 2, n - 3} & set(range(n))) if ids is None else [int(k) for k in ids]
         if not ids:
             raise VerifierError("aux_layer_ids is empty: EAGLE-3 needs at least one auxiliary layer")
-        bad = [k for k in ids if not 0 <= int(k) < self.num_hidden_layers]
+        bad = [k for k in ids if not 0 <= k < n]
         if bad:
             raise VerifierError(
-                f"aux_layer_ids {bad} out of range for {self.path} with {self.num_hidden_layers} layers "
-                f"(vLLM convention: id k = residual stream entering layer k, 0 <= k < {self.num_hidden_layers})"
+                f"aux_layer_ids {bad} out of range for {self.path} with {n} layers "
+                f"(vLLM convention: id k = residual stream entering layer k, 0 <= k < {n})"
             )
+        if any(b <= a for a, b in itertools.pairwise(ids)):
+            raise VerifierError(f"aux_layer_ids {ids} must be strictly increasing (vLLM concatenates aux states in "
+                                f"ascending layer order; vLLM convention: id k = residual stream entering layer k)")
+        return ids
+
+
+def verifier_fingerprint(path: str | Path) -> str:
+    """Content identity of a verifier: config.json, generation_config.json, the weight index, the tokenizer and chat
+    template files, and the weights: hashed in full up to ``FULL_HASH_MAX_BYTES`` in total, else each shard's
+    safetensors header + size (never reading 547 GB). Independent of where the folder lies."""
+    root = Path(path)
+    if not (root / "config.json").is_file():
+        VerifierSpec.from_path(root)  # the clear error: not found / not a folder / no config.json
+    h = hashlib.sha256()
+    for name in _IDENTITY_FILES:
+        if (root / name).is_file():
+            h.update(name.encode() + sha256_file(root / name).encode())
+    shards = sorted(root.glob("*.safetensors"))
+    if not shards:
+        raise VerifierError(f"no safetensors weights in {root} (expected model.safetensors or shards + index)")
+    full = sum(f.stat().st_size for f in shards) <= FULL_HASH_MAX_BYTES
+    for shard in shards:
+        h.update(shard.name.encode() + str(shard.stat().st_size).encode())
+        if full:
+            h.update(sha256_file(shard).encode())
+        else:
+            with open(shard, "rb") as f:  # the header lists every tensor's name, dtype, shape and byte range
+                n = int.from_bytes(f.read(8), "little")
+                h.update(f.read(min(n, 100 << 20)))
+    tokenizer = sorted({f for g in _TOKENIZER_GLOBS for f in root.glob(g) if f.is_file()})
+    for tok in tokenizer:
+        h.update(tok.name.encode() + sha256_file(tok).encode())
+    return h.hexdigest()
+
+
+class VerifierIdentity(BaseModel):
+    """Which verifier a stage ran against: its folder and content fingerprint (cache keys use the fingerprint)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str = Field(description="The verifier's folder (absolute).")
+    fingerprint: str = Field(description="verifier_fingerprint of the folder's content.")
+
+    def spec(self) -> VerifierSpec:
+        return VerifierSpec.from_path(self.path)
+
+
+def describe_verifier(path: str | Path) -> VerifierIdentity:
+    """The identity of the verifier at ``path``; raises VerifierError ("verifier not found: ...") for a bad path."""
+    VerifierSpec.from_path(path)
+    return VerifierIdentity(path=str(Path(path).resolve()), fingerprint=verifier_fingerprint(path))
 
 
 def weight_map(path: str | Path) -> dict[str, str]:
@@ -157,13 +227,20 @@ class VerifierHead:
     embed_tokens: torch.Tensor | None  # [vocab, hidden]
 
     def logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
-        """Teacher logits from the stored final state (output of the last layer, BEFORE the final norm).
+        """final_hidden: [..., hidden] -> [..., rows of lm_head]; see ``teacher_logits``."""
+        return teacher_logits(final_hidden, self.norm_weight, self.rms_norm_eps, self.lm_head)
 
-        final_hidden: [..., hidden] -> [..., rows of lm_head]
-        """
-        h = final_hidden.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.rms_norm_eps) * self.norm_weight
-        return h @ self.lm_head.T
+
+def teacher_logits(final_hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                   lm_head: torch.Tensor) -> torch.Tensor:
+    """The verifier's logits from its stored final state (output of the last layer, BEFORE the final norm):
+    final RMSNorm, then lm_head (all rows, or the draft vocabulary's rows), in float32.
+
+    final_hidden: [..., H]; norm_weight: [H]; lm_head: [rows, H] -> [..., rows]
+    """
+    h = final_hidden.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    return h @ lm_head.float().T
 
 
 def load_verifier_head(
@@ -188,10 +265,3 @@ def load_verifier_head(
         lm_head=read_tensor(path, lm_name, rows=draft_token_ids, wmap=wmap).float(),
         embed_tokens=read_tensor(path, names["embed_tokens"], wmap=wmap).float() if with_embedding else None,
     )
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name.replace("torch.", "")]
-    except KeyError:
-        raise VerifierError(f"unsupported dtype {name!r}; use one of {sorted(_DTYPES)}") from None

@@ -64,10 +64,11 @@ from torch import nn
 
 from eagle3.draft import checkpoint as ckpt
 from eagle3.draft.model import DraftArchitecture, DraftConfig, Eagle3Draft
-from eagle3.extract.store import HiddenStateStore, StoreError, verifier_fingerprint
+from eagle3.extract.store import HiddenStateStore, StoreError
 from eagle3.support.io import atomic_write_json, atomic_write_text, sha256_file
 from eagle3.support.progress import Progress, fmt_duration
-from eagle3.support.verifier import VerifierSpec, load_verifier_head
+from eagle3.support.verifier import VerifierSpec, load_verifier_head, verifier_fingerprint
+from eagle3.train.schedule import lr_at
 from eagle3.vocab import load_mapping
 
 log = logging.getLogger("eagle3")
@@ -355,18 +356,6 @@ def summarize(stats: torch.Tensor, weights: list[float]) -> dict[str, Any]:
     }
 
 
-def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
-    """Learning rate of optimizer step ``step`` (0-based) of ``total``: linear warmup, then cosine / constant."""
-    warm = round(cfg.warmup_ratio * total)
-    if step < warm:
-        return cfg.lr * (step + 1) / warm
-    if cfg.schedule == "constant":
-        return cfg.lr
-    progress = (step - warm) / max(1, total - warm)
-    floor = cfg.min_lr_ratio * cfg.lr
-    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
 # ----------------------------------------------------------------------------- distributed plumbing
 
 
@@ -510,7 +499,7 @@ class Trainer:
             raise TrainError(f"store {meta_file} has hidden_size {self.store.hidden_size} but the verifier "
                              f"{self.verifier_path / 'config.json'} has hidden_size {spec.hidden_size}")
         try:
-            spec.check_aux_layer_ids(self.store.aux_layer_ids)
+            spec.resolve_aux_layer_ids(self.store.aux_layer_ids)
         except ValueError as e:
             raise TrainError(f"store {meta_file}: {e}") from None
         want = self.store.meta.get("verifier_fingerprint")
@@ -608,7 +597,8 @@ class Trainer:
         # [K] entries counted per TTT step over the whole global batch (all micro-batches, all processes)
         counted = self.dist.all_reduce(sum(b.counted for b in batches).to(self.device, torch.float64))
         norm = (counted.clamp(min=1) / self.dist.world).float()
-        lr = lr_at(self.global_step, self.total_steps, cfg)
+        lr = lr_at(self.global_step, self.total_steps, cfg.lr, round(cfg.warmup_ratio * self.total_steps), cfg.schedule,
+                   cfg.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         stats = torch.zeros(cfg.ttt_steps, N_STATS, dtype=torch.float64, device=self.device)

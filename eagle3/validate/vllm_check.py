@@ -39,6 +39,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3.support.chat import FORMATS, canonical_role, detect_format
+
 # ----------------------------------------------------------------------------- shared with the offline reference
 
 
@@ -101,7 +103,6 @@ def read_prompt_messages(path: str | os.PathLike, num_prompts: int) -> list[list
     Accepts OpenAI (``{"messages": [{"role", "content"}]}``) and ShareGPT (``{"conversations": [{"from", "value"}]}``)
     jsonl lines.
     """
-    roles = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
     path = Path(path)
     if not path.is_file():
         raise PromptError(f"prompts file not found: {path}")
@@ -118,15 +119,13 @@ def read_prompt_messages(path: str | os.PathLike, num_prompts: int) -> list[list
                 raise PromptError(f"{path}:{line_no}: not valid JSON ({e})") from None
             if not isinstance(record, dict):
                 raise PromptError(f"{path}:{line_no}: a JSON {type(record).__name__}, not an object")
-            key = "messages" if "messages" in record else "conversations" if "conversations" in record else None
-            if key and not (isinstance(record[key], list) and all(isinstance(t, dict) for t in record[key])):
-                raise PromptError(f"{path}:{line_no}: '{key}' must be a list of objects")
-            if key == "messages":
-                turns = [(m.get("role"), m.get("content")) for m in record["messages"]]
-            elif key == "conversations":
-                turns = [(roles.get(t.get("from")), t.get("value")) for t in record["conversations"]]
-            else:
+            fmt = detect_format(record)
+            if fmt is None:
                 raise PromptError(f"{path}:{line_no}: neither 'messages' (OpenAI) nor 'conversations' (ShareGPT)")
+            key, role_key, text_key = FORMATS[fmt]
+            if not (isinstance(record[key], list) and all(isinstance(t, dict) for t in record[key])):
+                raise PromptError(f"{path}:{line_no}: '{key}' must be a list of objects")
+            turns = [(canonical_role(t.get(role_key)), t.get(text_key)) for t in record[key]]
             prompt = []
             for role, content in turns:
                 if role not in ("system", "user") or not isinstance(content, str):
