@@ -1,0 +1,63 @@
+"""What one stage hands the next: a small typed record (pydantic) of paths, content fingerprints and counts.
+
+Each stage's artifact is defined once, beside the stage that writes it (``PreparedData`` in eagle3/prepare.py,
+``CapacityPlan`` in eagle3/capacity.py, ``HiddenStates`` in eagle3/extract/stage.py, ``VocabMapping`` in
+eagle3/vocab.py, ``DraftCheckpoint`` in eagle3/train/stage.py, ``ValidationReport`` in eagle3/validate/stage.py).
+A stage function takes its config plus upstream artifacts and returns its artifact; the Prefect task returns it
+unchanged, the flow passes it along, and the cache key of the next stage reads only its ``fingerprint`` (and the
+fingerprints of the artifacts nested in it), never a path. Artifacts carry no tensors.
+
+Every artifact is also written as ``<out_dir>/artifact.json``, so a stage folder says what it holds.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+from typing_extensions import Self
+
+from eagle3.support.io import atomic_write_json
+
+ARTIFACT_FILE = "artifact.json"
+
+
+class Artifact(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    stage: ClassVar[str]
+
+    out_dir: str = Field(description="The stage's output folder.")
+    fingerprint: str = Field(description="sha256 over the content this stage wrote: what downstream cache keys read.")
+
+    def outputs(self) -> list[str]:
+        """Files and folders that must exist for this artifact to be reused (a cached result whose outputs were
+        deleted is recomputed)."""
+        return []
+
+    def missing_outputs(self) -> list[str]:
+        return [p for p in self.outputs() if not Path(p).exists()]
+
+    def save(self) -> Path:
+        return atomic_write_json(Path(self.out_dir) / ARTIFACT_FILE, self.model_dump(mode="json"))
+
+    @classmethod
+    def load(cls, out_dir: str | Path) -> Self:
+        path = Path(out_dir) / ARTIFACT_FILE
+        try:
+            return cls.model_validate(json.loads(path.read_text()))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: not a readable {cls.__name__} artifact ({e})") from None
+
+
+def identity(value: Any) -> Any:
+    """What a cache key keeps of an artifact (or of any model with a ``fingerprint``): its fingerprint and those
+    of the fingerprinted records nested in it (e.g. the verifier identity), never paths or counts."""
+    out = {"fingerprint": value.fingerprint}
+    for name in type(value).model_fields:
+        sub = getattr(value, name)
+        if isinstance(sub, BaseModel) and "fingerprint" in type(sub).model_fields:
+            out[name] = identity(sub)
+    return out
