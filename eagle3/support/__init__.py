@@ -1,0 +1,1 @@
+"""Shared helpers used by every stage (files, paths, progress, subprocesses, GPUs, dtypes, plots, ...)."""
