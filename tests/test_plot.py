@@ -3,8 +3,8 @@ import struct
 import subprocess
 import sys
 import zlib
-from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 

@@ -2,15 +2,16 @@
 
 Each chart is its own ``matplotlib.figure.Figure`` on a ``FigureCanvasAgg``: pyplot is never imported, so no
 GUI backend is chosen, no global figure registry fills up, and charts can be drawn from several threads.
-Titles and axis labels wrap to the size of the axes, legends sit outside the axes (never on a curve), and the file is written
-atomically. Output is byte-for-byte reproducible for the same input and matplotlib version (no "Software"
-metadata).
+Titles and axis labels wrap to the size of the axes, legends sit outside the axes (never on a curve), and the
+file is written atomically. Output is byte-for-byte reproducible for the same input and matplotlib version (no
+"Software" metadata).
 """
 
 from __future__ import annotations
 
 import io
 import math
+import numbers
 import textwrap
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -43,7 +44,7 @@ def _fmt(v: float) -> str:
 
 def _figure(width: int, height: int) -> Figure:
     for name, px in (("width", width), ("height", height)):
-        if not isinstance(px, int) or isinstance(px, bool) or px < 50:
+        if not isinstance(px, numbers.Integral) or isinstance(px, bool) or px < 50:
             raise ValueError(f"chart {name} must be a whole number of pixels >= 50, got {px!r}")
     fig = Figure(figsize=(width / _DPI, height / _DPI), dpi=_DPI, layout="constrained")
     FigureCanvasAgg(fig)  # attaches itself as fig.canvas
@@ -72,21 +73,21 @@ def _fit_text(fig: Figure, ax, title: str) -> None:
     axes); wrapping then shrinks the axes a little, hence a few rounds until the wrapped texts stop changing.
     """
     title_text = ax.set_title("", fontsize=_TITLE_PT)
-    texts = [(title_text, title, False), (ax.xaxis.label, ax.get_xlabel(), False),
-             (ax.yaxis.label, ax.get_ylabel(), True)]
+    xlabel, ylabel = ax.get_xlabel(), ax.get_ylabel()
+    texts = (title_text, ax.xaxis.label, ax.yaxis.label)
     renderer = fig.canvas.get_renderer()
     for _ in range(4):
         fig.draw_without_rendering()  # runs the constrained layout
         box = ax.get_window_extent(renderer)
-        before = [t.get_text() for t, _, _ in texts]
+        before = [t.get_text() for t in texts]
         title_text.set_fontsize(_TITLE_PT)
         _wrap(title_text, title, box.width - 2 * _PAD_PX)
         if title_text.get_text().count("\n") >= _TITLE_MAX_LINES:  # small chart: spend less height on the title
             title_text.set_fontsize(_TEXT_PT)
             _wrap(title_text, title, box.width - 2 * _PAD_PX)
-        _wrap(ax.xaxis.label, texts[1][1], box.width)
-        _wrap(ax.yaxis.label, texts[2][1], box.height, vertical=True)
-        if [t.get_text() for t, _, _ in texts] == before:
+        _wrap(ax.xaxis.label, xlabel, box.width)
+        _wrap(ax.yaxis.label, ylabel, box.height, vertical=True)
+        if [t.get_text() for t in texts] == before:
             return
 
 
@@ -140,7 +141,8 @@ def line_chart(path: str | Path, series: dict[str, Iterable[tuple[float, float]]
 
 def bar_figure(labels: Sequence[str], values: Sequence[float], title: str, ylabel: str,
                width: int = 720, height: int = 420) -> Figure:
-    """The figure ``bar_chart`` saves: one bar per label, its value printed above it, the y axis from 0.
+    """The figure ``bar_chart`` saves: one bar per label, its value printed above it, the y axis from 0 (or the
+    lowest value, if negative).
 
     A non-finite value is drawn as an empty bar labelled with the value (``nan``), so a missing number is visible.
     """
