@@ -763,7 +763,7 @@ class Trainer:
             f.write(json.dumps(rec) + "\n")
 
     def _plots(self) -> None:
-        from eagle3.plot import line_chart
+        from eagle3.support.plot import line_chart
 
         train = [r for r in self.history if r["event"] == "train"]
         val = [r for r in self.history if r["event"] == "val" and r["counted_per_step"][0] > 0]

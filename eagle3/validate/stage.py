@@ -666,7 +666,7 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def write_report(out_dir: str | os.PathLike, report: dict[str, Any]) -> dict[str, str]:
     """report.json + report.md + acceptance.png (when vLLM measured acceptance) in ``out_dir``; returns the paths."""
-    from eagle3.plot import bar_chart
+    from eagle3.support.plot import bar_chart
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
