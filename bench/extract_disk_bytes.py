@@ -34,7 +34,7 @@ def main() -> None:
         ds = save_dataset(tmp / "ds", args.samples, args.min_len, args.max_len)
         aux = [1, 2, 3]
         r = extract_hidden_states({"verifier": str(verifier), "aux_layer_ids": aux, "store_dtype": "bfloat16",
-                                   "device": "cpu", "max_tokens_per_batch": 4096, "lock_dir": str(tmp / "locks"),
+                                   "device": "cpu", "max_tokens_per_batch": 4096,
                                    "log_every_samples": 0, "log_every_seconds": 0}, ds, tmp / "store")
         store = HiddenStateStore(tmp / "store")
         on_disk = sum(f.stat().st_size for f in (tmp / "store").rglob("*") if f.is_file())

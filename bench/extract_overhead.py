@@ -57,7 +57,7 @@ def main() -> None:
         aux = spec.resolve_aux_layer_ids(None)
         cfg = {"verifier": str(verifier), "aux_layer_ids": aux, "store_dtype": "bfloat16", "device": "cpu",
                "max_tokens_per_batch": args.max_tokens_per_batch, "max_samples_per_batch": 64,
-               "lock_dir": str(tmp / "locks"), "log_every_samples": 0, "log_every_seconds": 0, "resume_check": "size"}
+               "log_every_samples": 0, "log_every_seconds": 0, "resume_check": "size"}
         bare_s, ext_s = [], []
         for r in range(args.repeat + 1):  # pair 0 warms up (allocator, kernels, page cache) and is not counted
             times = {}

@@ -42,7 +42,7 @@ def main() -> None:
         tmp = Path(tmp)
         verifier = save_llama(tmp / "verifier", hidden=1024, layers=2)
         cfg = {"verifier": str(verifier), "aux_layer_ids": [0, 1], "store_dtype": "bfloat16", "device": "cpu",
-               "max_tokens_per_batch": 2048, "lock_dir": str(tmp / "locks"), "log_every_samples": 0,
+               "max_tokens_per_batch": 2048, "log_every_samples": 0,
                "log_every_seconds": 0}
         runs = {}
         for n in (args.samples, 4 * args.samples):

@@ -16,7 +16,7 @@ import logging
 import tempfile
 from pathlib import Path
 
-from eagle3.prepare import PrepareConfig, prepare_dataset
+from eagle3.prepare import PrepareConfig, prepare_data
 from eagle3.support.paths import BUNDLED_DATA, BUNDLED_VERIFIER
 from eagle3.train.trainer import pack_samples, packing_efficiency, split_indices
 
@@ -32,7 +32,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         longest = max(args.max_seq_len)
-        res = prepare_dataset(PrepareConfig(sources=[args.source], tokenizer_path=str(BUNDLED_VERIFIER),
+        res = prepare_data(PrepareConfig(sources=[args.source], tokenizer_path=str(BUNDLED_VERIFIER),
                                             max_seq_len=longest, overlong="truncate"), Path(tmp) / "data")
         ds = datasets.load_from_disk(res.dataset_path)
         all_lengths = [len(x) for x in ds["input_ids"]]

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/prepare_throughput.py [--tokenizer models/tiny-chat-verifier] [--repeat 3]
 
-Times ``prepare_dataset`` (read jsonl, normalise, render with the chat template, mask, write Arrow + stats) on the
+Times ``prepare_data`` (read jsonl, normalise, render with the chat template, mask, write Arrow + stats) on the
 bundled data against a bare batched ``tokenizer(texts)`` over the SAME rendered conversation texts, and prints the
 tokens/s of both and their ratio (target: >= 0.5). Best of ``--repeat`` runs each, interleaved, so both see the
 same machine load.
@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from eagle3.prepare import ChatEncoder, PrepareConfig, iter_rows, load_chat_tokenizer, normalize_row, prepare_dataset
+from eagle3.prepare import ChatEncoder, PrepareConfig, iter_rows, load_chat_tokenizer, normalize_row, prepare_data
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -44,7 +44,7 @@ def main() -> None:
             bare_tokens = sum(map(len, ids))
 
             t = time.perf_counter()
-            result = prepare_dataset(cfg, Path(tmp) / f"run{r}")
+            result = prepare_data(cfg, Path(tmp) / f"run{r}")
             prep_s.append(time.perf_counter() - t)
             prep_tokens = result.total_tokens
 
@@ -52,7 +52,7 @@ def main() -> None:
     print(json.dumps({
         "data": args.data, "tokenizer": args.tokenizer, "mask_method": encoder.method, "conversations": len(texts),
         "bare_tokenizer": {"tokens": bare_tokens, "best_s": round(min(bare_s), 4), "tokens_per_s": round(bare_tps)},
-        "prepare_dataset": {"tokens": prep_tokens, "best_s": round(min(prep_s), 4), "tokens_per_s": round(prep_tps)},
+        "prepare_data": {"tokens": prep_tokens, "best_s": round(min(prep_s), 4), "tokens_per_s": round(prep_tps)},
         "ratio": round(prep_tps / bare_tps, 3), "target": 0.5,
     }, indent=2))
 

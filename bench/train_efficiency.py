@@ -73,7 +73,7 @@ def main() -> None:
         verifier = save_llama(tmp / "verifier", hidden=args.hidden, layers=4)
         ds = save_dataset(tmp / "ds", args.samples, 250, 500)
         extract_hidden_states({"verifier": str(verifier), "aux_layer_ids": [1, 2, 3], "store_dtype": "float32",
-                               "device": "cpu", "lock_dir": str(tmp / "locks"), "log_every_samples": 0,
+                               "device": "cpu", "log_every_samples": 0,
                                "log_every_seconds": 0}, ds, tmp / "store")
         vocab = build_vocab(VocabConfig(draft_vocab_size=8192), ds, 8192, tmp / "vocab")["mapping_path"]
         peak_before = matmul_peak()

@@ -25,21 +25,23 @@ import os
 from collections.abc import Sequence
 from fractions import Fraction
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from eagle3.prepare import load_prepared
-from eagle3.support.io import atomic_write_json
+from eagle3.extract.config import ExtractConfig
+from eagle3.extract.store import SAMPLE_METADATA, TOKEN_TENSORS
+from eagle3.prepare import PreparedData, load_prepared
+from eagle3.support.artifacts import Artifact
+from eagle3.support.dtypes import dtype, from_safetensors
+from eagle3.support.io import atomic_write_json, sha256_file
 from eagle3.support.progress import fmt_duration
-from eagle3.support.verifier import VerifierSpec
+from eagle3.support.verifier import VerifierIdentity, VerifierSpec
 
 log = logging.getLogger("eagle3")
 
 PLAN_FILE = "plan.json"
-_ST_DTYPE = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}
-_TOKEN_TENSORS = (("input_ids", "I64", 8), ("loss_mask", "U8", 1))  # per-token bookkeeping stored beside the states
 
 
 class CapacityError(ValueError):
@@ -51,9 +53,6 @@ class CapacityConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    store_dtype: Literal["bfloat16", "float16", "float32"] = Field(
-        "bfloat16", description="dtype of the stored hidden states (2 or 4 bytes per value)."
-    )
     disk_margin_fraction: float = Field(
         0.10,
         ge=0.0,
@@ -85,7 +84,7 @@ class CapacityConfig(BaseModel):
     )
 
 
-class CapacityPlan(BaseModel):
+class StorePlan(BaseModel):
     """Bytes (exact for this dataset) and seconds (estimates) of one extraction. All sizes in bytes."""
 
     model_config = ConfigDict(extra="forbid")
@@ -160,48 +159,45 @@ def safetensors_header_bytes(
     ``tensors``: (name, safetensors dtype such as "BF16", shape). Mirrors the safetensors writer: ``__metadata__``
     first, tensors laid out by dtype size (largest first) then name, compact JSON, padding with spaces.
     """
-    size = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "BOOL": 1}
+    def size(code: str) -> int:
+        return from_safetensors(code).bytes
+
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
-    for name, dtype, shape in sorted(tensors, key=lambda t: (-size[t[1]], t[0])):
-        nbytes = size[dtype] * math.prod(shape)
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+    for name, code, shape in sorted(tensors, key=lambda t: (-size(t[1]), t[0])):
+        nbytes = size(code) * math.prod(shape)
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     n = len(json.dumps(header, separators=(",", ":")).encode())
     return 8 + n + (-n) % 8
 
 
-def store_file_bytes(tokens: int, n_aux: int, hidden_size: int, store_dtype: str, index: int) -> tuple[int, int, int]:
-    """(hidden-state bytes, per-token bookkeeping bytes, header bytes) of the store file of sample ``index``.
+def store_file_bytes(tokens: int, n_aux: int, hidden_size: int, store_dtype: str) -> tuple[int, int, int]:
+    """(hidden-state bytes, per-token bookkeeping bytes, header bytes) of the store file of a ``tokens``-token sample.
 
-    Mirrors ``eagle3.extract.store.serialize_sample`` (tensor names, dtypes, metadata {"format", "index"}); the
-    header depends on the token count and on the number of digits of the sample index.
+    Mirrors ``eagle3.extract.store.serialize_sample`` (tensor names, ``TOKEN_TENSORS`` dtypes, ``SAMPLE_METADATA``);
+    the header depends on the token count only.
     """
-    st_dtype, nbytes = _ST_DTYPE[store_dtype]
+    st = dtype(store_dtype)
     tensors = [
-        ("aux_hidden_states", st_dtype, (tokens, n_aux * hidden_size)),
-        ("final_hidden_state", st_dtype, (tokens, hidden_size)),
-        *((name, dt, (tokens,)) for name, dt, _ in _TOKEN_TENSORS),
+        ("aux_hidden_states", st.safetensors, (tokens, n_aux * hidden_size)),
+        ("final_hidden_state", st.safetensors, (tokens, hidden_size)),
+        *((name, dtype(dt).safetensors, (tokens,)) for name, dt in TOKEN_TENSORS),
     ]
-    per_token = sum(b for _, _, b in _TOKEN_TENSORS)
-    header = safetensors_header_bytes(tensors, {"format": "pt", "index": str(index)})
-    return tokens * (n_aux + 1) * hidden_size * nbytes, tokens * per_token, header
+    per_token = sum(dtype(dt).bytes for _, dt in TOKEN_TENSORS)
+    header = safetensors_header_bytes(tensors, SAMPLE_METADATA)
+    return tokens * (n_aux + 1) * hidden_size * st.bytes, tokens * per_token, header
 
 
 def _total_header_bytes(lengths: np.ndarray, n_aux: int, hidden_size: int, store_dtype: str) -> int:
     """Sum of the store's file headers for samples 0..N-1 of the given token lengths [N].
 
-    Headers differ only through the token count and the digit count of the index: one computation per distinct pair.
+    Headers differ only through the token count: one computation per distinct length.
     """
     if not len(lengths):
         return 0
-    powers = 10 ** np.arange(1, 19, dtype=np.int64)  # [18] 10 .. 10**18
-    digits = 1 + np.searchsorted(powers, np.arange(len(lengths)), side="right")  # [N] digits of each sample index
-    pairs, reps = np.unique(np.stack([lengths, digits], axis=1), axis=0, return_counts=True)
-    return sum(
-        int(r) * store_file_bytes(int(t), n_aux, hidden_size, store_dtype, 10 ** (int(d) - 1))[2]
-        for (t, d), r in zip(pairs, reps)
-    )
+    values, reps = np.unique(lengths, return_counts=True)
+    return sum(int(r) * store_file_bytes(int(t), n_aux, hidden_size, store_dtype)[2] for t, r in zip(values, reps))
 
 
 def sample_lengths(dataset_dir: str | Path) -> np.ndarray:
@@ -252,22 +248,24 @@ def _weight_bytes(spec: VerifierSpec) -> int | None:
     return sum(f.stat().st_size for f in files) if files else None
 
 
-def plan_capacity(
+def plan_store(
     verifier_path: str | Path,
-    aux_layer_ids: Sequence[int],
+    aux_layer_ids: Sequence[int] | None,
+    store_dtype: str,
     dataset: str | Path | Sequence[int],
     dest: str | os.PathLike,
     cfg: CapacityConfig,
     max_seq_len: int,
-) -> CapacityPlan:
+) -> StorePlan:
     """Plan the store of ``dataset`` (a prepared dataset folder, or its per-sample token lengths) at ``dest``.
 
-    ``aux_layer_ids`` use vLLM's convention. Raises ``CapacityError`` when ``cfg.on_insufficient == "fail"`` and the
-    store plus margin exceeds the destination's free space; a destination whose free space is unknown only warns.
+    ``aux_layer_ids`` use vLLM's convention (None = the verifier's default, resolved by the one rule);
+    ``store_dtype`` is the resolved store dtype (``ExtractConfig.resolved_dtypes``). Raises ``CapacityError`` when
+    ``cfg.on_insufficient == "fail"`` and the store plus margin exceeds the destination's free space; a destination
+    whose free space is unknown only warns.
     """
     spec = VerifierSpec.from_path(verifier_path)
-    aux = [int(k) for k in aux_layer_ids]
-    aux = spec.resolve_aux_layer_ids(aux)
+    aux = spec.resolve_aux_layer_ids(None if aux_layer_ids is None else list(aux_layer_ids))
     if max_seq_len <= 0:
         raise CapacityError(f"max_seq_len must be a positive number of tokens, got {max_seq_len}")
     lengths = sample_lengths(dataset) if isinstance(dataset, (str, Path)) else np.asarray(dataset, dtype=np.int64)
@@ -276,11 +274,11 @@ def plan_capacity(
     warnings: list[str] = []
 
     n_aux, hidden = len(aux), spec.hidden_size
-    _, dtype_bytes = _ST_DTYPE[cfg.store_dtype]
+    dtype_bytes = dtype(store_dtype).bytes
     bytes_per_token = (n_aux + 1) * hidden * dtype_bytes
-    overhead_per_token = sum(b for _, _, b in _TOKEN_TENSORS)
+    overhead_per_token = sum(dtype(dt).bytes for _, dt in TOKEN_TENSORS)
     total_tokens = int(lengths.sum())
-    header = _total_header_bytes(lengths, n_aux, hidden, cfg.store_dtype)
+    header = _total_header_bytes(lengths, n_aux, hidden, store_dtype)
     hidden_bytes = total_tokens * bytes_per_token
     overhead = total_tokens * overhead_per_token + header
     total = hidden_bytes + overhead
@@ -290,7 +288,7 @@ def plan_capacity(
     worst_tokens = len(lengths) * max_seq_len
     worst_lengths = np.full(len(lengths), max_seq_len, dtype=np.int64)  # [N]
     worst = worst_tokens * (bytes_per_token + overhead_per_token) + _total_header_bytes(
-        worst_lengths, n_aux, hidden, cfg.store_dtype
+        worst_lengths, n_aux, hidden, store_dtype
     )
 
     free, checked_at, why = free_space(dest)
@@ -311,9 +309,9 @@ def plan_capacity(
         warnings.append(f"no safetensors weights in {spec.path}: model load time counted as 0 s")
     extract_s = total_tokens / cfg.extraction_tokens_per_second
 
-    plan = CapacityPlan(
+    plan = StorePlan(
         verifier=str(spec.path), aux_layer_ids=aux, hidden_size=hidden, num_hidden_layers=spec.num_hidden_layers,
-        store_dtype=cfg.store_dtype, dtype_bytes=dtype_bytes, bytes_per_token=bytes_per_token,
+        store_dtype=dtype(store_dtype).name, dtype_bytes=dtype_bytes, bytes_per_token=bytes_per_token,
         overhead_bytes_per_token=overhead_per_token, num_samples=len(lengths), total_tokens=total_tokens,
         longest_sample_tokens=longest, max_seq_len=max_seq_len, hidden_state_bytes=hidden_bytes,
         overhead_bytes=overhead, header_bytes=header, total_bytes=total, worst_case_tokens=worst_tokens,
@@ -335,3 +333,43 @@ def plan_capacity(
     for line in plan.summary().splitlines():
         log.info("[capacity] %s", line)
     return plan
+
+
+class CapacityPlan(Artifact):
+    """The capacity stage's output: the store's resolved layout (what extraction will write) and its plan."""
+
+    stage: ClassVar[str] = "plan-capacity"
+
+    plan_path: str = Field(description="plan.json: every figure of the StorePlan.")
+    aux_layer_ids: list[int] = Field(description="Resolved aux layers, vLLM convention (id k = residual stream "
+                                     "entering decoder layer k).")
+    compute_dtype: str = Field(description="Resolved dtype extraction computes the verifier in.")
+    store_dtype: str = Field(description="Resolved dtype of the stored states.")
+    bytes_per_token: int = Field(description="Hidden-state bytes per token.")
+    total_bytes: int = Field(description="Exact store size for this dataset, bytes.")
+    required_free_bytes: int = Field(description="total_bytes plus the margin, bytes.")
+    free_bytes: int | None = Field(description="Free bytes at the destination (None: unknown).")
+    fits: bool | None = Field(description="required_free_bytes <= free_bytes (None: free space unknown).")
+    estimated_seconds: float = Field(description="Model load + extraction, seconds (an estimate).")
+    summary: str = Field(description="The plan in plain lines (the UI artifact and the log show it).")
+
+    def outputs(self) -> list[str]:
+        return [self.plan_path]
+
+
+def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: VerifierIdentity, prepared: PreparedData,
+                  dest: str | os.PathLike, out_dir: str | Path) -> CapacityPlan:
+    """The capacity stage: resolve the store's layout with the rules extraction uses (aux layers, compute and store
+    dtypes), plan it at ``dest`` and write ``<out_dir>/plan.json``. Raises CapacityError when it would not fit."""
+    spec = verifier.spec()
+    aux = spec.resolve_aux_layer_ids(extract.aux_layer_ids)
+    compute, store = extract.resolved_dtypes(spec)
+    plan = plan_store(verifier.path, aux, store, prepared.dataset_path, dest, cfg, prepared.max_seq_len)
+    path = plan.save_plan(out_dir)
+    artifact = CapacityPlan(
+        out_dir=str(out_dir), fingerprint=sha256_file(path), plan_path=str(path), aux_layer_ids=aux,
+        compute_dtype=compute, store_dtype=store, bytes_per_token=plan.bytes_per_token, total_bytes=plan.total_bytes,
+        required_free_bytes=plan.required_free_bytes, free_bytes=plan.free_bytes, fits=plan.fits,
+        estimated_seconds=plan.estimated_seconds, summary=plan.summary())
+    artifact.save()
+    return artifact

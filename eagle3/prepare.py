@@ -1,8 +1,8 @@
-"""Stage 1, data: chat conversations -> verifier token ids + assistant loss mask.
+"""Stage 1, prepare data: chat conversations -> verifier token ids + assistant loss mask.
 
-Where it sits: sources (json / jsonl / parquet files or folders, fsspec URLs, Hugging Face datasets) -> **data**
--> ``<run>/data/dataset/`` (Arrow: ``input_ids`` int32 list, ``loss_mask`` int8 list, ``source_index`` int64) and
-``<run>/data/stats.json``, read by capacity planning and hidden-state extraction.
+Where it sits: sources (json / jsonl / parquet files or folders, fsspec URLs, Hugging Face datasets) -> **prepare**
+-> ``<stage folder>/dataset/`` (Arrow: ``input_ids`` int32 list, ``loss_mask`` int8 list, ``source_index`` int64) and
+``<stage folder>/stats.json`` (described by a ``PreparedData`` artifact), read by capacity, vocab and extraction.
 
 Rows are ShareGPT (``conversations``: ``from``/``value`` with human/user, gpt/assistant, system) or OpenAI
 (``messages``: ``role``/``content``); both normalise to the same ``[{"role", "content"}]`` list, so the same
@@ -57,14 +57,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import pyarrow as pa
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 
+from eagle3.support.artifacts import Artifact
 from eagle3.support.chat import FORMATS, canonical_role, detect_format
-from eagle3.support.io import atomic_path, atomic_write_json
+from eagle3.support.io import atomic_path, atomic_write_json, fingerprint_paths, sha256_file, sha256_json
 from eagle3.support.progress import Progress
 
 log = logging.getLogger("eagle3.prepare")
@@ -147,17 +148,49 @@ class PrepareConfig(BaseModel):
     )
 
 
-class PrepareResult(BaseModel):
-    """What prepare_dataset wrote."""
+class DataSources(BaseModel):
+    """The chat sources of a run and their content fingerprint (the data stage's cache key reads it)."""
 
-    out_dir: str = Field(description="Stage folder.")
-    dataset_path: str = Field(description="Arrow dataset folder (datasets.load_from_disk).")
-    stats_path: str = Field(description="stats.json path.")
-    num_samples: int = Field(description="Samples kept (rows of the dataset).")
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sources: list[str] = Field(description="As configured (resolved paths, URLs, hf: ids).")
+    fingerprint: str = Field(description="Local files and folders by content; URLs and hub ids by their string.")
+
+
+def describe_sources(sources: list[str]) -> DataSources:
+    """Local files/folders by content; URLs and hub ids by their string (pin a revision in the id to key on it)."""
+    parts = []
+    for src in sources:
+        local = Path(src.removeprefix("file://"))
+        parts.append(fingerprint_paths([local]) if local.exists() else f"remote:{src}")
+    return DataSources(sources=list(sources), fingerprint=sha256_json(parts))
+
+
+class PreparedData(Artifact):
+    """The data stage's output: token ids + assistant loss masks of every kept sample, and the counts."""
+
+    stage: ClassVar[str] = "prepare-data"
+
+    dataset_path: str = Field(description="Arrow dataset folder (datasets.load_from_disk): input_ids int32 lists, "
+                              "loss_mask int8 lists, source_index int64.")
+    stats_path: str = Field(description="stats.json: counts, skipped rows by reason, length histogram.")
+    max_seq_len: int = Field(description="Longest sample kept, in tokens (longer ones were skipped or truncated).")
+    rows_read: int = Field(description="Source rows read (conversations), bad ones included.")
+    samples: int = Field(description="Samples kept: rows of the dataset.")
+    rows_skipped: int = Field(description="Source rows not kept: bad rows and over-long conversations.")
+    rows_skipped_by_reason: dict[str, int] = Field(description="rows_skipped by reason (see eagle3.prepare).")
+    samples_truncated: int = Field(description="Samples kept but cut to max_seq_len (overlong='truncate').")
     total_tokens: int = Field(description="Tokens over all kept samples.")
     assistant_tokens: int = Field(description="Tokens with loss_mask = 1.")
     elapsed_s: float = Field(description="Wall time of the stage, seconds.")
-    stats: dict[str, Any] = Field(description="The content of stats.json.")
+
+    def outputs(self) -> list[str]:
+        return [self.dataset_path, self.stats_path]
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """The content of stats.json."""
+        return json.loads(Path(self.stats_path).read_text())
 
 
 class BadRow(Exception):
@@ -576,7 +609,7 @@ def _histogram(lengths: list[int], max_seq_len: int) -> list[dict[str, int]]:
     return [{"min_tokens": lo, "max_tokens": hi - 1, "count": c} for lo, hi, c in zip(edges, edges[1:], counts)]
 
 
-def prepare_dataset(cfg: PrepareConfig | dict, out_dir: str | Path, on_update=None) -> PrepareResult:
+def prepare_data(cfg: PrepareConfig | dict, out_dir: str | Path, on_update=None) -> PreparedData:
     """Read, normalise, render, tokenise and mask the sources; write ``out_dir/dataset`` and ``out_dir/stats.json``.
 
     ``on_update(done, total, line)`` mirrors the progress log lines (e.g. to a Prefect task). Raises DataError on a
@@ -689,6 +722,12 @@ def prepare_dataset(cfg: PrepareConfig | dict, out_dir: str | Path, on_update=No
     stats_path = atomic_write_json(out_dir / "stats.json", stats)
     elapsed = time.monotonic() - t0
     progress.emit(f"kept {kept.count:,}/{tally.read:,} rows, skipped {stats['samples_skipped']:,}")
-    return PrepareResult(out_dir=str(out_dir), dataset_path=str(dataset_path), stats_path=str(stats_path),
-                         num_samples=kept.count, total_tokens=total_tokens, assistant_tokens=assistant_tokens,
-                         elapsed_s=round(elapsed, 3), stats=stats)
+    prepared = PreparedData(
+        out_dir=str(out_dir), dataset_path=str(dataset_path), stats_path=str(stats_path),
+        fingerprint=sha256_json([sha256_file(stats_path), fingerprint_paths([dataset_path])]),
+        max_seq_len=cfg.max_seq_len, rows_read=tally.read, samples=kept.count,
+        rows_skipped=stats["samples_skipped"], rows_skipped_by_reason={k: v["count"] for k, v in skipped.items()},
+        samples_truncated=truncated, total_tokens=total_tokens, assistant_tokens=assistant_tokens,
+        elapsed_s=round(elapsed, 3))
+    prepared.save()
+    return prepared

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import task
 
-from eagle3.prepare import PrepareConfig, prepare_dataset
+from eagle3.prepare import PrepareConfig, prepare_data
 from eagle3.support.io import fingerprint_paths, sha256_file, sha256_json
 from tasks import artifacts
 from tasks.common import cache_key, stage_dir
@@ -17,7 +17,7 @@ def prepare_data(cfg: PrepareConfig, inputs: dict, run_dir: str) -> dict:
     ``inputs`` is describe_inputs' manifest (dataset and verifier fingerprints): it keys the cache.
     """
     out_dir = stage_dir(run_dir, "prepare-data", {"cfg": cfg, "inputs": inputs, "run_dir": run_dir})
-    result = prepare_dataset(PrepareConfig.model_validate(cfg), out_dir)
+    result = prepare_data(PrepareConfig.model_validate(cfg), out_dir)
     stats = result.stats
     stats_sha256 = sha256_file(result.stats_path)
     dataset_fingerprint = fingerprint_paths([result.dataset_path])

@@ -110,6 +110,15 @@ def save_kimi_like_target(out: Path, seed: int = 0, shard_size: str = "200KB") -
     return out
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_lock_dir(tmp_path_factory):
+    """Every test's GPU/host locks in a folder of its own: parallel test runs (other checkouts) never contend."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("EAGLE3_LOCK_DIR", str(tmp_path_factory.mktemp("locks")))
+    yield
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_verifier(tmp_path_factory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama") / "verifier")

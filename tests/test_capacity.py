@@ -9,13 +9,13 @@ import datasets
 import pytest
 import torch
 
-from eagle3.capacity import CapacityConfig, CapacityError, plan_capacity, sample_lengths, store_file_bytes
+from eagle3.capacity import CapacityConfig, CapacityError, plan_store, sample_lengths, store_file_bytes
 from eagle3.extract.store import serialize_sample
 from eagle3.support.dtypes import torch_dtype
 from eagle3.support.verifier import VerifierError
 
 KIMI_AUX = [2, 30, 58]  # vLLM convention: residual streams entering decoder layers 2, 30, 58
-KIMI_HEADER_512 = 376  # safetensors header (8-byte length + padded JSON + metadata) of store file 0, 512 tokens
+KIMI_HEADER_512 = 368  # safetensors header (8-byte length + padded JSON + metadata) of a 512-token store file
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def kimi_config(tmp_path_factory) -> Path:
 
 
 def test_kimi_bytes_per_token_and_per_sample_match_a_real_store_file(kimi_config, tmp_path):
-    plan = plan_capacity(kimi_config, KIMI_AUX, [512], tmp_path, CapacityConfig(), max_seq_len=2048)
+    plan = plan_store(kimi_config, KIMI_AUX, "bfloat16", [512], tmp_path, CapacityConfig(), max_seq_len=2048)
     assert plan.bytes_per_token == 57_344 == (3 + 1) * 7168 * 2
     assert plan.hidden_state_bytes == 29_360_128  # 512 tokens
     assert plan.overhead_bytes_per_token == 9
@@ -40,28 +40,28 @@ def test_kimi_bytes_per_token_and_per_sample_match_a_real_store_file(kimi_config
     # the exact size of the file the store's own writer produces for that sample
     real = serialize_sample(torch.zeros(512, 3 * 7168), torch.zeros(512, 7168), torch.zeros(512, dtype=torch.int64),
                             torch.zeros(512, dtype=torch.uint8), torch.bfloat16, index=0)
-    assert plan.total_bytes == len(real) == 29_365_112
+    assert plan.total_bytes == len(real) == 29_365_104
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-def test_store_file_bytes_equal_the_store_writer_for_any_length_and_index(dtype):
+def test_store_file_bytes_equal_the_store_writer_for_any_length(dtype):
     for tokens, n_aux, hidden, index in [(1, 1, 8, 0), (37, 2, 64, 9), (1000, 3, 48, 10), (3, 4, 16, 123_456_789)]:
         real = serialize_sample(torch.zeros(tokens, n_aux * hidden), torch.zeros(tokens, hidden),
                                 torch.zeros(tokens, dtype=torch.int64), torch.zeros(tokens, dtype=torch.uint8),
                                 torch_dtype(dtype), index=index)
-        assert sum(store_file_bytes(tokens, n_aux, hidden, dtype, index)) == len(real), (tokens, index)
+        assert sum(store_file_bytes(tokens, n_aux, hidden, dtype)) == len(real), (tokens, index)
 
 
 def test_dataset_total_is_the_sum_over_samples_and_worst_case(kimi_config, tmp_path):
     lengths = [512, 1, 2048, 777, 512, 1500]
     cfg = CapacityConfig(model_load_seconds=1320, extraction_tokens_per_second=2500)
-    plan = plan_capacity(kimi_config, KIMI_AUX, lengths, tmp_path, cfg, max_seq_len=2048)
-    per_sample = [sum(store_file_bytes(t, 3, 7168, "bfloat16", i)) for i, t in enumerate(lengths)]
+    plan = plan_store(kimi_config, KIMI_AUX, "bfloat16", lengths, tmp_path, cfg, max_seq_len=2048)
+    per_sample = [sum(store_file_bytes(t, 3, 7168, "bfloat16")) for t in lengths]
     assert plan.total_tokens == 5350 and plan.num_samples == 6 and plan.longest_sample_tokens == 2048
     assert plan.hidden_state_bytes == 5350 * 57_344
     assert plan.total_bytes == sum(per_sample)
     assert plan.worst_case_tokens == 6 * 2048
-    assert plan.worst_case_bytes == 6 * (2048 * 57_344 + 2048 * 9 + 384) == 704_755_968
+    assert plan.worst_case_bytes == 6 * (2048 * 57_344 + 2048 * 9 + 376) == 704_755_920
     assert plan.required_free_bytes == -(-plan.total_bytes * 11 // 10)
     assert plan.fits is True and plan.free_bytes > 0
     assert plan.estimated_seconds == pytest.approx(1320 + 5350 / 2500)
@@ -70,7 +70,7 @@ def test_dataset_total_is_the_sum_over_samples_and_worst_case(kimi_config, tmp_p
 
 
 def test_float32_store_doubles_the_hidden_state_bytes(kimi_config, tmp_path):
-    plan = plan_capacity(kimi_config, KIMI_AUX, [512], tmp_path, CapacityConfig(store_dtype="float32"), 512)
+    plan = plan_store(kimi_config, KIMI_AUX, "float32", [512], tmp_path, CapacityConfig(), 512)
     assert plan.bytes_per_token == 114_688 and plan.hidden_state_bytes == 2 * 29_360_128
 
 
@@ -81,8 +81,8 @@ def test_lengths_are_read_from_the_prepared_dataset(kimi_config, tmp_path):
     datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": [[0] * len(r) for r in ids]},
                                features=features).save_to_disk(str(tmp_path / "dataset"))
     assert sample_lengths(tmp_path / "dataset").tolist() == [3, 17, 0, 250]
-    from_dir = plan_capacity(kimi_config, KIMI_AUX, tmp_path / "dataset", tmp_path, CapacityConfig(), 256)
-    from_list = plan_capacity(kimi_config, KIMI_AUX, [3, 17, 0, 250], tmp_path, CapacityConfig(), 256)
+    from_dir = plan_store(kimi_config, KIMI_AUX, "bfloat16", tmp_path / "dataset", tmp_path, CapacityConfig(), 256)
+    from_list = plan_store(kimi_config, KIMI_AUX, "bfloat16", [3, 17, 0, 250], tmp_path, CapacityConfig(), 256)
     assert from_dir.total_bytes == from_list.total_bytes and from_dir.total_tokens == 270
 
 
@@ -90,29 +90,29 @@ def test_refuses_when_the_store_cannot_fit(kimi_config, tmp_path):
     dest = tmp_path / "run" / "store"  # does not exist yet: measured at the nearest existing parent
     huge = [10**10] * 10**4  # 10^14 tokens * 57,344 bytes: beyond any disk
     with pytest.raises(CapacityError) as err:
-        plan_capacity(kimi_config, KIMI_AUX, huge, dest, CapacityConfig(), max_seq_len=10**10)
+        plan_store(kimi_config, KIMI_AUX, "bfloat16", huge, dest, CapacityConfig(), max_seq_len=10**10)
     message = str(err.value)
-    headers = sum(store_file_bytes(10**10, 3, 7168, "bfloat16", i)[2] for i in range(10**4))
+    headers = 10**4 * store_file_bytes(10**10, 3, 7168, "bfloat16")[2]
     total = 10**14 * (57_344 + 9) + headers
     assert str(dest) in message
     assert f"{total:,} bytes" in message  # needed
     assert f"{-(-total * 11 // 10):,} bytes (" in message and "with the 10% margin" in message  # exact integers
     assert "are free" in message and "GiB" in message
 
-    warned = plan_capacity(kimi_config, KIMI_AUX, huge, dest, CapacityConfig(on_insufficient="warn"), 10**10)
+    warned = plan_store(kimi_config, KIMI_AUX, "bfloat16", huge, dest, CapacityConfig(on_insufficient="warn"), 10**10)
     assert warned.fits is False and any("does not fit" in w for w in warned.warnings)
     assert warned.free_space_checked_at == str(tmp_path)
 
 
 def test_margin_alone_can_refuse(kimi_config, tmp_path):
-    plan = plan_capacity(kimi_config, KIMI_AUX, [512], tmp_path, CapacityConfig(), 512)
+    plan = plan_store(kimi_config, KIMI_AUX, "bfloat16", [512], tmp_path, CapacityConfig(), 512)
     margin = plan.free_bytes / plan.total_bytes  # margin so large that needed * (1 + margin) > free
     with pytest.raises(CapacityError, match="does not fit"):
-        plan_capacity(kimi_config, KIMI_AUX, [512], tmp_path, CapacityConfig(disk_margin_fraction=margin), 512)
+        plan_store(kimi_config, KIMI_AUX, "bfloat16", [512], tmp_path, CapacityConfig(disk_margin_fraction=margin), 512)
 
 
 def test_fsspec_destination_without_free_space_is_unknown_not_refused(kimi_config):
-    plan = plan_capacity(kimi_config, KIMI_AUX, [10**9] * 1000, "memory://run/store", CapacityConfig(), 10**9)
+    plan = plan_store(kimi_config, KIMI_AUX, "bfloat16", [10**9] * 1000, "memory://run/store", CapacityConfig(), 10**9)
     assert plan.free_bytes is None and plan.fits is None
     assert any("MemoryFileSystem" in w and "free space unknown" in w for w in plan.warnings)
     assert "free unknown" in plan.summary()
@@ -120,4 +120,4 @@ def test_fsspec_destination_without_free_space_is_unknown_not_refused(kimi_confi
 
 def test_out_of_range_aux_layer_is_a_clear_error(kimi_config, tmp_path):
     with pytest.raises(VerifierError, match=r"aux_layer_ids \[61\] out of range .* 61 layers"):
-        plan_capacity(kimi_config, [2, 30, 61], [512], tmp_path, CapacityConfig(), 512)
+        plan_store(kimi_config, [2, 30, 61], "bfloat16", [512], tmp_path, CapacityConfig(), 512)

@@ -17,7 +17,7 @@ import pytest
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
-from eagle3.prepare import ChatEncoder, DataError, PrepareConfig, prepare_dataset
+from eagle3.prepare import ChatEncoder, DataError, PrepareConfig, prepare_data
 from eagle3.support.io import fingerprint_paths
 
 REPO = Path(__file__).resolve().parent.parent
@@ -93,7 +93,7 @@ def decode(tok, ids) -> str:
 def test_masked_tokens_decode_to_exactly_the_assistant_texts(tmp_path, name, mask_method):
     path, eot, trims = TOKENIZERS[name]
     src = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in CONVERSATIONS])
-    result = prepare_dataset({"sources": [str(src)], "tokenizer_path": str(path), "mask_method": mask_method},
+    result = prepare_data({"sources": [str(src)], "tokenizer_path": str(path), "mask_method": mask_method},
                              tmp_path / "out")
     assert result.stats["mask_method"] == ("generation" if name != "llama3" and mask_method == "auto" else "prefix")
     tok = AutoTokenizer.from_pretrained(path)
@@ -116,14 +116,14 @@ def test_generation_blocks_and_prefix_rendering_agree(tmp_path):
         out = {}
         for method in ("generation", "prefix"):
             cfg = {"sources": [str(src)], "tokenizer_path": str(TOKENIZERS[name][0]), "mask_method": method}
-            out[method] = load(prepare_dataset(cfg, tmp_path / f"{name}-{method}")).to_dict()
+            out[method] = load(prepare_data(cfg, tmp_path / f"{name}-{method}")).to_dict()
         assert out["generation"] == out["prefix"], name
 
 
 def test_generation_method_refused_for_a_template_without_generation_blocks(tmp_path):
     src = write_jsonl(tmp_path / "chats.jsonl", [{"messages": CONVERSATIONS[0]}])
     with pytest.raises(DataError, match="generation"):
-        prepare_dataset({"sources": [str(src)], "tokenizer_path": str(DATA / "tok-llama3"),
+        prepare_data({"sources": [str(src)], "tokenizer_path": str(DATA / "tok-llama3"),
                          "mask_method": "generation"}, tmp_path / "out")
 
 
@@ -132,7 +132,7 @@ def test_bundled_data_sharegpt_and_openai_identical_and_equal_to_apply_chat_temp
     for fmt in ("sharegpt", "openai"):
         cfg = {"sources": [f"{BUNDLED_TRAIN}.{fmt}.jsonl"], "tokenizer_path": str(BUNDLED_TOKENIZER),
                "format": fmt, "max_samples": 300}
-        results[fmt] = prepare_dataset(cfg, tmp_path / fmt)
+        results[fmt] = prepare_data(cfg, tmp_path / fmt)
     a, b = load(results["sharegpt"]), load(results["openai"])
     assert a.to_dict() == b.to_dict()
     assert results["sharegpt"].stats["skipped"] == {}
@@ -156,7 +156,7 @@ def test_sharegpt_aliases_and_top_level_system(tmp_path):
     aliased = {"conversations": [{"from": {"system": "system", "user": "user", "assistant": "assistant"}[m["role"]],
                                   "value": m["content"]} for m in messages]}
     src = write_jsonl(tmp_path / "mixed.jsonl", [{"messages": messages}, sharegpt, aliased])
-    ds = load(prepare_dataset({"sources": [str(src)], "tokenizer_path": str(BUNDLED_TOKENIZER)}, tmp_path / "out"))
+    ds = load(prepare_data({"sources": [str(src)], "tokenizer_path": str(BUNDLED_TOKENIZER)}, tmp_path / "out"))
     assert ds[0]["input_ids"] == ds[1]["input_ids"] == ds[2]["input_ids"]
     assert ds[0]["loss_mask"] == ds[1]["loss_mask"] == ds[2]["loss_mask"]
     assert ds["source_index"] == [0, 1, 2]
@@ -197,7 +197,7 @@ def test_every_source_kind_gives_the_same_samples(tmp_path, monkeypatch):
     }
     outs = {}
     for kind, source in sources.items():
-        result = prepare_dataset({"sources": [source], "tokenizer_path": str(DATA / "tok-chatml-generation")},
+        result = prepare_data({"sources": [source], "tokenizer_path": str(DATA / "tok-chatml-generation")},
                                  tmp_path / f"out-{kind}")
         outs[kind] = load(result).to_dict()
         assert result.stats["samples_read"] == len(rows), kind
@@ -208,7 +208,7 @@ def test_every_source_kind_gives_the_same_samples(tmp_path, monkeypatch):
         (["folder", "a.jsonl"], 0, 2), (["sub", "b.parquet"], 2, 2)]
 
     # several sources: read in order, indices continue across them
-    two = prepare_dataset({"sources": [str(base), "memory://eagle3-test/chats.jsonl"],
+    two = prepare_data({"sources": [str(base), "memory://eagle3-test/chats.jsonl"],
                            "tokenizer_path": str(DATA / "tok-chatml-generation")}, tmp_path / "out-two")
     assert load(two)["source_index"] == list(range(2 * len(rows)))
 
@@ -219,7 +219,7 @@ def test_missing_source_is_one_error_naming_it(tmp_path, source):
     source = source.format(tmp=tmp_path)
     good = write_jsonl(tmp_path / "good.jsonl", [{"messages": CONVERSATIONS[0]}])
     with pytest.raises(DataError, match=source.replace("/", ".")):
-        prepare_dataset({"sources": [str(good), source], "tokenizer_path": str(BUNDLED_TOKENIZER)}, tmp_path / "out")
+        prepare_data({"sources": [str(good), source], "tokenizer_path": str(BUNDLED_TOKENIZER)}, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -230,7 +230,7 @@ def test_max_samples_and_seeded_shuffle_are_deterministic(tmp_path):
     src = str(write_jsonl(tmp_path / "rows.jsonl", rows))
 
     def run(name, **kw):
-        result = prepare_dataset({"sources": [src], "tokenizer_path": str(BUNDLED_TOKENIZER), **kw}, tmp_path / name)
+        result = prepare_data({"sources": [src], "tokenizer_path": str(BUNDLED_TOKENIZER), **kw}, tmp_path / name)
         return load(result)["source_index"], result.stats
 
     order, stats = run("plain", max_samples=10)
@@ -255,17 +255,17 @@ def test_overlong_skip_and_truncate_are_counted(tmp_path):
     src = str(write_jsonl(tmp_path / "rows.jsonl", rows))
     cfg = {"sources": [src], "tokenizer_path": str(DATA / "tok-llama3"), "max_seq_len": 100}
 
-    skipped = prepare_dataset(cfg, tmp_path / "skip")
+    skipped = prepare_data(cfg, tmp_path / "skip")
     assert skipped.stats["skipped"] == {"overlong": {"count": 2, "first_indices": [1, 2]}}
     assert skipped.stats["truncated"] == 0 and load(skipped)["source_index"] == [0, 3]
 
-    truncated = prepare_dataset({**cfg, "overlong": "truncate"}, tmp_path / "truncate")
+    truncated = prepare_data({**cfg, "overlong": "truncate"}, tmp_path / "truncate")
     ds = load(truncated)
     # the long reply is cut to 100 tokens; the long question loses its whole reply, so it is dropped
     assert truncated.stats["truncated"] == 1
     assert truncated.stats["skipped"] == {"no_assistant_tokens": {"count": 1, "first_indices": [2]}}
     assert ds["source_index"] == [0, 1, 3] and len(ds[1]["input_ids"]) == 100
-    full = load(prepare_dataset({**cfg, "max_seq_len": 4096}, tmp_path / "full"))[1]
+    full = load(prepare_data({**cfg, "max_seq_len": 4096}, tmp_path / "full"))[1]
     assert ds[1]["input_ids"] == full["input_ids"][:100] and ds[1]["loss_mask"] == full["loss_mask"][:100]
     assert 0 < sum(ds[1]["loss_mask"]) < sum(full["loss_mask"])
 
@@ -318,7 +318,7 @@ def test_bad_rows_are_skipped_and_reported_by_reason(tmp_path):
     # a .json document with an undecodable byte in one row: only that row is lost
     (tmp_path / "doc.json").write_bytes(b'[' + json.dumps(good).encode() + b', {"messages": [{"role": "user", '
                                         b'"content": "\xff"}, {"role": "assistant", "content": "x"}]}]')
-    result = prepare_dataset({"sources": [str(src), str(tmp_path / "doc.json")], "chat_template": QUIRKY_TEMPLATE,
+    result = prepare_data({"sources": [str(src), str(tmp_path / "doc.json")], "chat_template": QUIRKY_TEMPLATE,
                               "tokenizer_path": str(DATA / "tok-chatml-generation"), "max_seq_len": 256},
                              tmp_path / "out")
     assert result.stats["skipped"] == {
@@ -344,16 +344,16 @@ def test_bad_rows_are_skipped_and_reported_by_reason(tmp_path):
 def test_first_indices_are_capped_and_forced_format_is_checked(tmp_path):
     rows = [to_sharegpt(CONVERSATIONS[0])] * 8 + [{"messages": CONVERSATIONS[0]}]
     src = str(write_jsonl(tmp_path / "rows.jsonl", rows))
-    result = prepare_dataset({"sources": [src], "tokenizer_path": str(BUNDLED_TOKENIZER), "format": "openai"},
+    result = prepare_data({"sources": [src], "tokenizer_path": str(BUNDLED_TOKENIZER), "format": "openai"},
                              tmp_path / "out")
     assert result.stats["skipped"] == {"missing_field": {"count": 8, "first_indices": [0, 1, 2, 3, 4]}}
-    assert result.num_samples == 1
+    assert result.samples == 1
 
 
 def test_no_usable_row_is_one_data_error_naming_the_sources(tmp_path):
     src = str(write_jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "content": "only a question"}]}]))
     with pytest.raises(DataError, match=r"no usable row.*bad\.jsonl.*no_assistant_turn: 1 \(rows \[0\]\)"):
-        prepare_dataset({"sources": [src], "tokenizer_path": str(BUNDLED_TOKENIZER)}, tmp_path / "out")
+        prepare_data({"sources": [src], "tokenizer_path": str(BUNDLED_TOKENIZER)}, tmp_path / "out")
     assert not (tmp_path / "out" / "dataset").exists() and not (tmp_path / "out" / "stats.json").exists()
 
 
@@ -365,18 +365,18 @@ def test_tokenizer_without_chat_template_is_a_data_error_naming_the_path(tmp_pat
     (bare / "chat_template.jinja").unlink(missing_ok=True)
     src = str(write_jsonl(tmp_path / "rows.jsonl", [{"messages": CONVERSATIONS[0]}]))
     with pytest.raises(DataError, match=f"{bare}.*no chat template"):
-        prepare_dataset({"sources": [src], "tokenizer_path": str(bare)}, tmp_path / "out")
+        prepare_data({"sources": [src], "tokenizer_path": str(bare)}, tmp_path / "out")
     # the override fixes it: a template file beside the data works, a path that is not there is named
     template_file = tmp_path / "llama3.jinja"
     template_file.write_text((DATA / "tok-llama3" / "chat_template.jinja").read_text())
-    ok = prepare_dataset({"sources": [src], "tokenizer_path": str(bare), "chat_template": str(template_file)},
+    ok = prepare_data({"sources": [src], "tokenizer_path": str(bare), "chat_template": str(template_file)},
                          tmp_path / "out-ok")
-    assert ok.num_samples == 1
+    assert ok.samples == 1
     with pytest.raises(DataError, match="nope.jinja.*no such file"):
-        prepare_dataset({"sources": [src], "tokenizer_path": str(bare), "chat_template": "nope.jinja"},
+        prepare_data({"sources": [src], "tokenizer_path": str(bare), "chat_template": "nope.jinja"},
                         tmp_path / "out")
     with pytest.raises(DataError, match="missing-tokenizer"):
-        prepare_dataset({"sources": [src], "tokenizer_path": str(tmp_path / "missing-tokenizer")}, tmp_path / "out")
+        prepare_data({"sources": [src], "tokenizer_path": str(tmp_path / "missing-tokenizer")}, tmp_path / "out")
 
 
 def test_tokenizer_that_prefixes_every_call_is_refused(tmp_path):
@@ -399,12 +399,12 @@ def test_tokenizer_that_prefixes_every_call_is_refused(tmp_path):
 def test_outputs_stats_and_dataset_columns(tmp_path):
     src = str(write_jsonl(tmp_path / "rows.jsonl", [{"messages": m} for m in CONVERSATIONS]))
     cfg = PrepareConfig(sources=[src], tokenizer_path=str(BUNDLED_TOKENIZER), max_seq_len=512)
-    result = prepare_dataset(cfg, tmp_path / "data")
+    result = prepare_data(cfg, tmp_path / "data")
     out = tmp_path / "data"
     assert result.dataset_path == str(out / "dataset") and result.stats_path == str(out / "stats.json")
     manifest = {"total_tokens": result.total_tokens, "assistant_tokens": result.assistant_tokens,
                 "dataset_path": result.dataset_path}
-    assert result.num_samples == len(CONVERSATIONS) and result.stats["samples_skipped"] == 0
+    assert result.samples == len(CONVERSATIONS) and result.stats["samples_skipped"] == 0
 
     ds = datasets.load_from_disk(manifest["dataset_path"])
     assert ds.features["input_ids"].feature.dtype == "int32" and ds.features["loss_mask"].feature.dtype == "int8"
@@ -420,7 +420,7 @@ def test_outputs_stats_and_dataset_columns(tmp_path):
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp leftovers
 
     # the same input gives the same dataset content (a rerun's fingerprint matches: a cache hit downstream)
-    again = prepare_dataset(cfg.model_dump(), tmp_path / "again")
+    again = prepare_data(cfg.model_dump(), tmp_path / "again")
     assert fingerprint_paths([again.dataset_path]) == fingerprint_paths([result.dataset_path])
 
     with pytest.raises(ValidationError):

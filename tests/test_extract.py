@@ -35,7 +35,7 @@ LENGTHS = [37, 5, 64, 12, 50, 3, 29, 41, 8, 60]
 
 def _cfg(verifier: Path, tmp_path: Path, **kw) -> dict:
     base = {"verifier": str(verifier), "store_dtype": "float32", "max_tokens_per_batch": 256, "min_tokens_per_batch": 16,
-            "lock_dir": str(tmp_path / "locks"), "log_every_seconds": 0, "log_every_samples": 0}
+            "log_every_seconds": 0, "log_every_samples": 0}
     return {**base, **kw}
 
 
@@ -200,7 +200,7 @@ def test_shards_resume_and_repair(tiny_llama_verifier, tmp_path, monkeypatch):
     store_dir = tmp_path / "store"
     r1 = extract_hidden_states(_cfg(tiny_llama_verifier, tmp_path, shard_end=4), ds, store_dir)
     r2 = extract_hidden_states(_cfg(tiny_llama_verifier, tmp_path, shard_start=4), ds, store_dir)
-    assert (r1.samples_written, r2.samples_written) == (4, 6) and r2.store_samples == len(LENGTHS)
+    assert (r1.samples_written, r2.samples_written) == (4, 6) and r2.samples_stored == len(LENGTHS)
     store = HiddenStateStore(store_dir)
     before = store.load(7)["final_hidden_state"].clone()
     # damage: a flipped byte in sample 7, a duplicate line, a leftover temp file of an interrupted write
@@ -264,6 +264,6 @@ def test_task_manifest_and_shards_share_one_store(tiny_llama_verifier, tmp_path)
     a = extract_hidden_states_task.fn(first, inputs, data, str(tmp_path / "run"))
     b = extract_hidden_states_task.fn(second, inputs, data, str(tmp_path / "run"))
     assert a["store_path"] == b["store_path"] and manifest_ok(b) and len(json.dumps(b)) < 20_000
-    assert (a["samples_written"], b["samples_written"], b["store_samples"]) == (4, 6, len(LENGTHS))
+    assert (a["samples_written"], b["samples_written"], b["samples_stored"]) == (4, 6, len(LENGTHS))
     assert b["tokens"] == sum(LENGTHS) and b["manifest_sha256"] == sha256_file(b["paths"]["manifest"])
     assert b["fingerprint"] != a["fingerprint"] and b["bytes_on_disk"] > 0 and b["tokens_per_second"] > 0

@@ -33,7 +33,7 @@ def test_kill_9_then_rerun_completes_without_duplicates(tiny_llama_verifier, tmp
     ds = make_dataset(tmp_path / "ds", lengths, 8192, seed=5)
     store_dir = tmp_path / "store"
     cfg = {"verifier": str(tiny_llama_verifier), "store_dtype": "float32", "max_tokens_per_batch": 256,
-           "max_samples_per_batch": 2, "min_tokens_per_batch": 16, "lock_dir": str(tmp_path / "locks"),
+           "max_samples_per_batch": 2, "min_tokens_per_batch": 16,
            "log_every_seconds": 0, "log_every_samples": 0}
     code = textwrap.dedent(f"""
         from eagle3.extract.stage import extract_hidden_states

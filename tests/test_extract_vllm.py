@@ -31,7 +31,7 @@ LENGTHS = [48, 7, 130, 33, 90, 12]
 
 def _cfg(verifier, tmp_path, **kw) -> dict:
     return {"verifier": str(verifier), "dtype": "float32", "store_dtype": "float32", "max_tokens_per_batch": 128,
-            "max_samples_per_batch": 4, "min_tokens_per_batch": 16, "lock_dir": str(tmp_path / "locks"),
+            "max_samples_per_batch": 4, "min_tokens_per_batch": 16,
             "log_every_seconds": 0, "log_every_samples": 0, **kw}
 
 

@@ -15,9 +15,11 @@ import torch
 
 from eagle3.support.gpu import (
     GpuBusyError,
+    LockSettings,
     OutOfMemoryAfterRetries,
     cuda_preflight,
     device_lock,
+    file_lock_guard,
     is_oom_error,
     lock_names,
 )
@@ -98,8 +100,8 @@ def test_extraction_refuses_held_lock_before_loading(tiny_llama_verifier, tmp_pa
     p = _holder(tmp_path / "locks", ["host-cpu"])
     try:
         with pytest.raises(GpuBusyError, match=f"PID {p.pid}"):
-            extract_hidden_states({"verifier": str(tiny_llama_verifier), "lock_dir": str(tmp_path / "locks"),
-                                   "device": "cpu"}, ds, tmp_path / "store")
+            extract_hidden_states({"verifier": str(tiny_llama_verifier), "device": "cpu"}, ds, tmp_path / "store",
+                                  guard=file_lock_guard(LockSettings(lock_dir=str(tmp_path / "locks"))))
         assert not loads
     finally:
         p.kill()
@@ -149,17 +151,20 @@ def test_second_extraction_waits_then_resumes_what_the_first_wrote(tiny_llama_ve
     from eagle3.extract.store import MANIFEST
 
     ds = make_dataset(tmp_path / "ds", [40 + i for i in range(24)], 8192)
-    cfg = {"verifier": str(tiny_llama_verifier), "lock_dir": str(tmp_path / "locks"), "device": "cpu",
+    cfg = {"verifier": str(tiny_llama_verifier), "device": "cpu",
            "max_samples_per_batch": 1, "log_every_seconds": 0, "log_every_samples": 0}
     code = f"from eagle3.extract.stage import extract_hidden_states; extract_hidden_states({cfg!r}, " \
            f"{str(ds)!r}, {str(tmp_path / 'store')!r})"
-    first = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.PIPE)
+    locks = tmp_path / "locks"
+    first = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.PIPE,
+                             env={**os.environ, "EAGLE3_LOCK_DIR": str(locks)})
     try:
         manifest = tmp_path / "store" / MANIFEST
         while not (manifest.exists() and manifest.read_text()):  # the first job holds the lock and writes
             assert first.poll() is None, first.stderr.read().decode()[-2000:]
             time.sleep(0.02)
-        r = extract_hidden_states({**cfg, "lock_wait_seconds": 120}, ds, tmp_path / "store")
+        r = extract_hidden_states(cfg, ds, tmp_path / "store",
+                                  guard=file_lock_guard(LockSettings(lock_dir=str(locks), lock_wait_seconds=120)))
         assert first.wait() == 0
     finally:
         first.kill()

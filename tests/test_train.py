@@ -30,7 +30,7 @@ def make_store(root: Path, verifier: Path, ids: list[list[int]], masks: list[lis
     ds = root / "dataset"
     datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": masks}).save_to_disk(str(ds))
     extract_hidden_states({"verifier": str(verifier), "aux_layer_ids": aux_layer_ids, "store_dtype": "float32",
-                           "device": "cpu", "lock_dir": str(root / "locks"), "log_every_samples": 0,
+                           "device": "cpu", "log_every_samples": 0,
                            "log_every_seconds": 0}, ds, root / "store")
     vocab = build_vocab(VocabConfig(draft_vocab_size=draft_vocab), ds, vocab_size, root / "vocab")
     return root / "store", Path(vocab["mapping_path"])

@@ -7,7 +7,7 @@ import json
 
 from eagle3.draft.model import DraftArchitecture
 from eagle3.extract.stage import extract_hidden_states
-from eagle3.prepare import PrepareConfig, prepare_dataset
+from eagle3.prepare import PrepareConfig, prepare_data
 from eagle3.support.paths import BUNDLED_DATA
 from eagle3.train.trainer import TrainConfig, train_draft
 from eagle3.vocab import VocabConfig, build_vocab
@@ -19,11 +19,11 @@ MIN_GAIN_OVER_UNTRAINED = 0.35
 
 
 def test_training_raises_validation_acceptance(bundled_verifier, tmp_path):
-    data = prepare_dataset(PrepareConfig(sources=[str(BUNDLED_DATA / "train.openai.jsonl")],
+    data = prepare_data(PrepareConfig(sources=[str(BUNDLED_DATA / "train.openai.jsonl")],
                                          tokenizer_path=str(bundled_verifier), max_samples=240, shuffle_seed=0,
                                          max_seq_len=512), tmp_path / "data")
     extract_hidden_states({"verifier": str(bundled_verifier), "aux_layer_ids": [1, 2, 3], "store_dtype": "float32",
-                           "device": "cpu", "lock_dir": str(tmp_path / "locks"), "log_every_samples": 0,
+                           "device": "cpu", "log_every_samples": 0,
                            "log_every_seconds": 0}, data.dataset_path, tmp_path / "store")
     vocab = build_vocab(VocabConfig(draft_vocab_size=1024), data.dataset_path, 8192, tmp_path / "vocab")
     # a small draft (MLP 256) and 2 TTT steps keep this test near 40 s on 2 cores

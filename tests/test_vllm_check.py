@@ -64,15 +64,15 @@ def trained_draft(bundled_verifier, tmp_path_factory) -> Path:
     """A small draft trained through the pipeline's library functions on the bundled verifier."""
     from eagle3.extract.config import ExtractConfig
     from eagle3.extract.stage import extract_hidden_states
-    from eagle3.prepare import PrepareConfig, prepare_dataset
+    from eagle3.prepare import PrepareConfig, prepare_data
     from eagle3.train.trainer import TrainConfig, train_draft
     from eagle3.vocab import VocabConfig, build_vocab
 
     root = tmp_path_factory.mktemp("trained")
-    data = prepare_dataset(PrepareConfig(sources=[str(TRAIN)], tokenizer_path=str(bundled_verifier), max_seq_len=512,
+    data = prepare_data(PrepareConfig(sources=[str(TRAIN)], tokenizer_path=str(bundled_verifier), max_seq_len=512,
                                          max_samples=TRAIN_SAMPLES), root / "data")
     extract_hidden_states(ExtractConfig(verifier=str(bundled_verifier), aux_layer_ids=AUX, store_dtype="float32",
-                                        device="cpu", lock_dir=str(root / "locks")), data.dataset_path,
+                                        device="cpu"), data.dataset_path,
                           root / "store")
     vocab = build_vocab(VocabConfig(draft_vocab_size=2048), data.dataset_path, 8192, root / "vocab")
     result = train_draft(TrainConfig(epochs=TRAIN_EPOCHS, lr=3e-3, batch_size=8, ttt_steps=K, max_seq_len=512,

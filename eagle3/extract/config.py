@@ -6,6 +6,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from eagle3.support.dtypes import describe_compute_dtype, device_type, resolve_store_dtype
+from eagle3.support.settings import RESUMABLE, RUNTIME
+from eagle3.support.verifier import VerifierSpec
+
 
 class ExtractConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -22,78 +26,93 @@ class ExtractConfig(BaseModel):
         "in the vLLM environment with tensor parallelism (verifiers too big for one GPU, e.g. Kimi-K2.5).",
     )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        default="auto", description="Compute dtype of the verifier; 'auto' = the checkpoint's own dtype."
+        default="auto", description="Compute dtype of the verifier; 'auto' = the checkpoint's own dtype on a GPU, and "
+        "on a CPU float32 unless the CPU multiplies that dtype natively (bf16 there is ~20x slower).",
     )
     device: str = Field(
         default="auto", description="Torch device for the transformers backend ('cpu', 'cuda', 'cuda:1'); 'auto' = "
-        "cuda:0 when available, else cpu. Ignored when device_map is set.",
+        "cuda:0 when available, else cpu. Ignored when device_map is set.", json_schema_extra=RUNTIME,
     )
     device_map: str | dict[str, str | int] | None = Field(
         default=None, description="transformers device_map to spread the verifier over several GPUs (e.g. 'auto').",
+        json_schema_extra=RUNTIME,
     )
     trust_remote_code: bool = Field(
         default=False, description="Run Python code shipped with the checkpoint. Off unless explicitly enabled.",
     )
     store_dtype: Literal["bfloat16", "float16", "float32", "model"] = Field(
-        default="bfloat16", description="Dtype of stored states; 'model' = the compute dtype.",
+        default="bfloat16", description="Dtype of stored states; 'model' = the compute dtype (resolved, see dtype).",
     )
     max_tokens_per_batch: int = Field(
         default=16384, ge=1,
         description="Token budget of one forward, in PADDED tokens (samples x longest sample in the batch).",
+        json_schema_extra=RUNTIME,
     )
-    max_samples_per_batch: int = Field(default=64, ge=1, description="Cap on samples per forward (samples).")
+    max_samples_per_batch: int = Field(default=64, ge=1, description="Cap on samples per forward (samples).",
+        json_schema_extra=RUNTIME)
     min_tokens_per_batch: int = Field(
         default=256, ge=1,
         description="OOM floor, in padded tokens: halving the budget below this stops; the sample is then "
-        "handled per on_unfittable_sample.",
+        "handled per on_unfittable_sample.", json_schema_extra=RUNTIME,
     )
     on_unfittable_sample: Literal["skip", "fail"] = Field(
         default="skip",
         description="A sample that runs out of memory alone at the floor: 'skip' names it in the log and the "
-        "result, 'fail' raises OutOfMemoryAfterRetries.",
-    )
-    lock_dir: str | None = Field(
-        default=None,
-        description="Host-local folder of the GPU/host lock files; None = $EAGLE3_LOCK_DIR or /tmp/eagle3-locks.",
-    )
-    lock_wait_seconds: float = Field(
-        default=0.0,
-        description="Seconds to wait for a busy GPU/host lock: 0 = fail at once naming the holder, < 0 = forever.",
+        "result, 'fail' raises OutOfMemoryAfterRetries.", json_schema_extra=RUNTIME,
     )
     min_free_gpu_memory_fraction: float = Field(
         default=0.8, ge=0.0, le=1.0,
         description="CUDA preflight: fail when a GPU has less than this fraction of its memory free (0 = no check).",
+        json_schema_extra=RUNTIME,
     )
-    tensor_parallel_size: int = Field(default=1, ge=1, description="vLLM backend: GPUs per model (count).")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="vLLM backend: GPUs per model (count).",
+        json_schema_extra=RUNTIME)
     vllm_python: str | None = Field(
         default=None, description="vLLM backend: interpreter of the vLLM environment; None = $EAGLE3_VLLM_PYTHON "
-        "or <repo>/.venv-vllm/bin/python.",
+        "or <repo>/.venv-vllm/bin/python.", json_schema_extra=RUNTIME,
     )
     vllm_gpu_memory_utilization: float = Field(
         default=0.9, gt=0.0, le=1.0,
         description="vLLM backend on GPUs: fraction of each GPU's memory vLLM may use (on a CPU-only host vLLM "
-        "reads this as a fraction of host memory; 0.25 is used there).",
+        "reads this as a fraction of host memory; 0.25 is used there).", json_schema_extra=RUNTIME,
     )
     vllm_timeout_seconds: float = Field(
         default=0.0, ge=0.0,
         description="vLLM backend: kill the subprocess (its whole process group) after this many seconds; 0 = none.",
+        json_schema_extra=RUNTIME,
     )
-    log_every_samples: int = Field(default=500, ge=0, description="Progress line every N samples (0 = off).")
-    log_every_seconds: float = Field(default=30.0, ge=0.0, description="Progress line every S seconds (0 = off).")
-    shard_start: int = Field(default=0, ge=0, description="First dataset index (sample) this job extracts.")
+    log_every_samples: int = Field(default=500, ge=0, description="Progress line every N samples (0 = off).",
+        json_schema_extra=RUNTIME)
+    log_every_seconds: float = Field(default=30.0, ge=0.0, description="Progress line every S seconds (0 = off).",
+        json_schema_extra=RUNTIME)
+    shard_start: int = Field(default=0, ge=0, description="First dataset index (sample) this job extracts.",
+        json_schema_extra=RESUMABLE)
     shard_end: int | None = Field(
         default=None, ge=0, description="One past the last dataset index (sample) this job extracts; None = end.",
+        json_schema_extra=RESUMABLE,
     )
     group_size: int = Field(default=2000, ge=1, description="Samples per rows_<a>-<b>/ folder of the store.")
     resume_check: Literal["sha256", "size"] = Field(
         default="sha256",
         description="How a rerun checks finished samples before skipping them: 'sha256' re-hashes each file "
-        "(safe), 'size' compares byte counts and headers (fast for multi-TB stores).",
+        "(safe), 'size' compares byte counts and headers (fast for multi-TB stores).", json_schema_extra=RUNTIME,
     )
     write_queue_batches: int = Field(
         default=2, ge=1,
         description="Batches of states waiting for the writer thread (bounds host memory: batches).",
+        json_schema_extra=RUNTIME,
     )
+
+    def device_type(self) -> str:
+        """"cuda" or "cpu": where the verifier runs (vLLM backend: on the GPUs when there are any)."""
+        if self.backend == "vllm" or self.device_map is not None:
+            return device_type("auto")
+        return device_type(self.device)
+
+    def resolved_dtypes(self, spec: VerifierSpec) -> tuple[str, str]:
+        """(compute dtype, store dtype) of this extraction: THE rule capacity planning and extraction both use."""
+        compute = describe_compute_dtype(self.dtype, spec.dtype, self.device_type())
+        return compute, resolve_store_dtype(self.store_dtype, compute)
 
     @model_validator(mode="after")
     def _check(self) -> ExtractConfig:

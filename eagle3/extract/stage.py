@@ -1,6 +1,6 @@
 """Extraction entry point: dataset -> hidden-state store, resumable, OOM-tolerant, one job per GPU.
 
-Pipeline position: data -> capacity -> **extract** -> vocab / train. Reads the prepared dataset (Arrow folder with
+Pipeline position: prepare -> capacity -> **extract** -> vocab / train. Reads the prepared dataset (Arrow folder with
 ``input_ids`` int32 lists and ``loss_mask`` int8 lists) and writes the store described in docs/DESIGN.md.
 
 Order of work in ``extract_hidden_states``:
@@ -8,7 +8,8 @@ Order of work in ``extract_hidden_states``:
    input fails in seconds with one clear error and before any lock or model load;
 2. create or re-open the store; resume: drop temp files of this shard, keep finished samples whose file verifies
    against the manifest, repair the manifest (duplicates, torn lines, bad entries);
-3. take the host GPU lock (``eagle3.support.gpu.device_lock``) BEFORE the model loads, run the CUDA preflight;
+3. enter the device guard (the host GPU lock, and in the pipeline the host's Prefect concurrency slots too;
+   ``eagle3.support.gpu.DeviceGuard``) BEFORE the model loads, run the CUDA preflight;
 4. load the verifier ONCE and stream batches: forward -> writer thread (overlaps disk with the next forward).
    An out-of-memory error halves the token budget and retries the same samples with the model still loaded.
 """
@@ -20,17 +21,18 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+from pydantic import Field
 
 from eagle3.extract import hf_backend
 from eagle3.extract.batching import Batch, TokenBudgetBatcher, pad_right
 from eagle3.extract.config import ExtractConfig
 from eagle3.extract.store import (
     MANIFEST,
+    STORE_JSON,
     AsyncStoreWriter,
     HiddenStateStore,
     clean_temp_files,
@@ -39,18 +41,21 @@ from eagle3.extract.store import (
     repair_manifest,
     store_meta,
 )
-from eagle3.prepare import load_prepared
+from eagle3.prepare import PreparedData, load_prepared
+from eagle3.support.artifacts import Artifact
+from eagle3.support.dtypes import torch_dtype
 from eagle3.support.gpu import (
+    DeviceGuard,
     OutOfMemoryAfterRetries,
+    cuda_device_ids,
     cuda_preflight,
-    device_lock,
+    file_lock_guard,
     free_memory,
     is_oom_error,
-    lock_names,
 )
-from eagle3.support.io import sha256_file, sha256_json
+from eagle3.support.io import sha256_file
 from eagle3.support.progress import Progress
-from eagle3.support.verifier import VerifierSpec
+from eagle3.support.verifier import VerifierIdentity, VerifierSpec, describe_verifier
 
 log = logging.getLogger("eagle3.extract")
 
@@ -63,32 +68,44 @@ class ExtractError(ValueError):
     """Bad extraction input (dataset folder, columns, samples, settings); the message names the field / sample."""
 
 
-@dataclass
-class ExtractResult:
-    store: str
-    backend: str
-    shard: list[int]  # [start, end) dataset indices
-    samples_in_shard: int
-    samples_written: int  # this run
-    samples_resumed: int  # already in the store and verified, skipped
-    samples_unfittable: list[int]  # skipped: out of memory alone at the token-budget floor
-    tokens_written: int  # this run
-    bytes_written: int  # this run, sample files only
-    store_samples: int  # whole store (all shards) after this run
-    store_tokens: int
-    bytes_on_disk: int  # whole store: sample files + store.json + manifest.jsonl
-    manifest_sha256: str
-    fingerprint: str  # content hash: store metadata + every sample's sha256
-    tokens_per_second: float  # tokens_written / extraction wall time (model load excluded)
-    extract_seconds: float
-    model_load_seconds: float
-    model_loads: int
-    token_budget_history: list[int] = field(default_factory=list)  # padded tokens per batch, after each OOM halving
-    temp_files_removed: int = 0
-    manifest_entries_dropped: int = 0
+class HiddenStates(Artifact):
+    """The extraction stage's output: the hidden-state store (docs/DESIGN.md) and what this run did to it.
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    ``out_dir`` is the stage folder holding ``store/``. Counts of the whole store and of this run are apart.
+    """
+
+    stage: ClassVar[str] = "extract-hidden-states"
+
+    store_path: str = Field(description="The store folder (store.json, manifest.jsonl, rows_*/sample_*.safetensors).")
+    verifier: VerifierIdentity = Field(description="The verifier the states came from.")
+    aux_layer_ids: list[int] = Field(description="vLLM convention: id k = residual stream entering decoder layer k.")
+    compute_dtype: str = Field(description="dtype the verifier was computed in.")
+    store_dtype: str = Field(description="dtype of the stored states.")
+    hidden_size: int = Field(description="Verifier hidden width (each aux state's width).")
+    max_seq_len: int = Field(description="Longest sample the prepared data allows, in tokens.")
+    backend: str = Field(description="'transformers' or 'vllm'.")
+    num_samples: int = Field(description="Samples of the prepared dataset (the store's index range).")
+    shard: list[int] = Field(description="[start, end) dataset indices this run was asked to extract.")
+    samples_stored: int = Field(description="Samples in the store after this run (all shards).")
+    store_tokens: int = Field(description="Tokens in the store after this run.")
+    bytes_on_disk: int = Field(description="Store bytes: sample files + store.json + manifest.jsonl.")
+    manifest_sha256: str = Field(description="sha256 of manifest.jsonl as this run left it.")
+    samples_written: int = Field(description="Samples this run wrote.")
+    samples_resumed: int = Field(description="Samples of the shard already stored and verified (skipped).")
+    samples_unfittable: list[int] = Field(description="Samples skipped because they ran out of memory alone at "
+                                          "the token-budget floor (first 1000 indices).")
+    samples_unfittable_count: int = Field(description="How many samples were skipped as unfittable.")
+    tokens_written: int = Field(description="Tokens this run wrote.")
+    tokens_per_second: float = Field(description="tokens_written / extraction wall time (model load excluded).")
+    extract_seconds: float = Field(description="Extraction wall time, seconds.")
+    model_load_seconds: float = Field(description="Verifier load time, seconds (0 when nothing was left to do).")
+    model_loads: int = Field(description="Times the verifier was loaded (vLLM restarts after an OOM count).")
+    token_budget_history: list[int] = Field(description="Padded tokens per batch, after each OOM halving.")
+    temp_files_removed: int = Field(0, description="Crash leftovers of this shard removed on resume.")
+    manifest_entries_dropped: int = Field(0, description="Manifest entries dropped on resume (bad files).")
+
+    def outputs(self) -> list[str]:
+        return [self.store_path]
 
 
 # ------------------------------------------------------------------------------------------------- input checks
@@ -126,18 +143,10 @@ def open_dataset(dataset_dir: str | Path, vocab_size: int | None = None):
 
 
 def _gpu_ids(cfg: ExtractConfig) -> list[int]:
-    """CUDA device indices this job will use (empty on CPU): the lock and the preflight cover exactly these."""
-    if not torch.cuda.is_available():
-        return []
+    """CUDA device indices this job will use (empty on CPU): the guard and the preflight cover exactly these."""
     if cfg.backend == "vllm":
-        return list(range(cfg.tensor_parallel_size))  # vLLM takes the first tensor_parallel_size visible GPUs
-    if cfg.device_map is not None:
-        if isinstance(cfg.device_map, dict):
-            return sorted({torch.device(d).index or 0 if isinstance(d, str) else int(d)
-                           for d in cfg.device_map.values() if str(d) not in ("cpu", "disk")})
-        return list(range(torch.cuda.device_count()))
-    dev = torch.device(hf_backend.resolve_device(cfg.device))
-    return [dev.index or 0] if dev.type == "cuda" else []
+        return cuda_device_ids(count=cfg.tensor_parallel_size)  # vLLM takes the first tensor_parallel_size GPUs
+    return cuda_device_ids(hf_backend.resolve_device(cfg.device), cfg.device_map)
 
 
 def _shard(cfg: ExtractConfig, n: int) -> tuple[int, int]:
@@ -193,6 +202,7 @@ def _run_transformers(
     cfg: ExtractConfig,
     spec: VerifierSpec,
     aux_ids: list[int],
+    compute_dtype: str,
     ds,
     todo: dict[int, int],
     store_dir: Path,
@@ -202,7 +212,7 @@ def _run_transformers(
     stats: dict[str, Any],
 ) -> None:
     device = hf_backend.resolve_device(cfg.device)
-    dtype = hf_backend.compute_dtype(spec, cfg.dtype)
+    dtype = torch_dtype(compute_dtype)
     t0 = time.monotonic()
     model = hf_backend.load_hf_model(spec, dtype, device, cfg.device_map, cfg.trust_remote_code)
     stats["model_loads"] += 1
@@ -292,41 +302,48 @@ def _start(cfg: ExtractConfig, todo: dict[int, int], start: int, end: int, n: in
 
 def extract_hidden_states(
     cfg: ExtractConfig | dict,
-    dataset_dir: str | Path,
-    out_dir: str | Path,
+    dataset: PreparedData | str | Path,
+    store_dir: str | Path,
     *,
+    verifier: VerifierIdentity | None = None,
+    guard: DeviceGuard | None = None,
     oom_injector: OomInjector | None = None,
     on_progress: Callable[[int, int, str], None] | None = None,
-) -> ExtractResult:
-    """Extract aux states (vLLM layer-id convention) + final pre-norm states of every sample in the shard into the
-    store at ``out_dir``; resumes an interrupted run. ``oom_injector`` is a test hook (see ``OomInjector``)."""
+) -> HiddenStates:
+    """Extract aux states (vLLM layer-id convention) + final pre-norm states of every sample of the shard of
+    ``dataset`` (the prepare stage's artifact, or a prepared dataset folder) into the store at ``store_dir``;
+    resumes an interrupted run. The artifact (and its artifact.json) belongs to the stage folder holding the store.
+
+    ``verifier``: the identity the flow computed (else computed here from ``cfg.verifier``); ``guard`` holds the
+    devices while the model is loaded (default: the host file lock alone); ``oom_injector`` is a test hook.
+    """
     cfg = ExtractConfig.model_validate(cfg)
-    spec = VerifierSpec.from_path(cfg.verifier)
+    verifier = verifier or describe_verifier(cfg.verifier)
+    spec = verifier.spec()
     aux_ids = spec.resolve_aux_layer_ids(cfg.aux_layer_ids)
+    compute_dtype, store_dtype = cfg.resolved_dtypes(spec)
+    dataset_dir = dataset.dataset_path if isinstance(dataset, PreparedData) else dataset
     ds, lengths = open_dataset(dataset_dir, spec.vocab_size)
     start, end = _shard(cfg, len(ds))
-    store_dir = Path(out_dir)
-    dtype_name = str(hf_backend.compute_dtype(spec, cfg.dtype)).replace("torch.", "")
+    store_dir = Path(store_dir)
     meta = ensure_store(store_dir, store_meta(
-        verifier=str(Path(cfg.verifier).resolve()), aux_layer_ids=aux_ids, hidden_size=spec.hidden_size,
-        dtype=dtype_name if cfg.store_dtype == "model" else cfg.store_dtype, num_samples=len(ds),
-        backend=cfg.backend, group_size=cfg.group_size,
+        verifier=verifier.path, aux_layer_ids=aux_ids, hidden_size=spec.hidden_size, dtype=store_dtype,
+        num_samples=len(ds), backend=cfg.backend, group_size=cfg.group_size, fingerprint=verifier.fingerprint,
     ))
     stats: dict[str, Any] = {"model_loads": 0, "model_load_seconds": 0.0, "samples_written": 0, "bytes_written": 0,
                              "samples_unfittable": [], "token_budget_history": [cfg.max_tokens_per_batch]}
     t_start = time.monotonic()
     listed = read_manifest(store_dir, strict=False)
     temps_removed = dropped = 0
-    if all(i in listed for i in range(start, end)):  # looks complete: verify without taking the GPU lock
+    if all(i in listed for i in range(start, end)):  # looks complete: verify without holding the devices
         done, temps_removed, dropped = resume_state(store_dir, start, end, cfg.resume_check)
         todo = {i: lengths[i] for i in range(start, end) if i not in done}
     else:
         todo = {i: lengths[i] for i in range(start, end)}
     if todo:
         gpu_ids = _gpu_ids(cfg)
-        names = lock_names(None, {str(i): f"cuda:{i}" for i in gpu_ids}) if gpu_ids else ["host-cpu"]
-        with device_lock(names, cfg.lock_dir, cfg.lock_wait_seconds, logger=log) as lock_fds:
-            # resume under the lock: a job that waited for it sees what the previous holder wrote, and no other
+        with (guard or file_lock_guard(logger=log))(gpu_ids) as lock_fds:
+            # resume under the guard: a job that waited for it sees what the previous holder wrote, and no other
             # job on these devices is writing temp files of this shard while they are cleaned up
             done, removed, bad = resume_state(store_dir, start, end, cfg.resume_check)
             temps_removed, dropped = temps_removed + removed, dropped + bad
@@ -337,34 +354,38 @@ def extract_hidden_states(
             if todo and cfg.backend == "vllm":
                 from eagle3.extract import vllm_backend
 
-                vllm_backend.run_vllm(cfg, spec, aux_ids, ds, todo, store_dir, meta, stats, progress, lock_fds)
+                vllm_backend.run_vllm(cfg, spec, aux_ids, compute_dtype, ds, todo, store_dir, meta, stats, progress,
+                                      lock_fds)
             elif todo:
-                _run_transformers(cfg, spec, aux_ids, ds, todo, store_dir, meta, progress, oom_injector, stats)
+                _run_transformers(cfg, spec, aux_ids, compute_dtype, ds, todo, store_dir, meta, progress,
+                                  oom_injector, stats)
     else:
         _start(cfg, todo, start, end, len(ds), aux_ids, on_progress)
     extract_s = stats.get("extract_end", time.monotonic()) - stats.get("extract_start", t_start)
     store = HiddenStateStore(store_dir)
     manifest = store_dir / MANIFEST
-    unfittable = set(stats["samples_unfittable"])
-    tokens_written = sum(todo[i] for i in todo if i in store and i not in unfittable)
+    unfittable = stats["samples_unfittable"]
+    tokens_written = sum(todo[i] for i in todo if i in store and i not in set(unfittable))
     files_bytes = sum(int(store.entry(i).get("bytes", 0)) or store.file(i).stat().st_size for i in store)
-    fingerprint = sha256_json({"meta": {k: v for k, v in meta.items() if k != "verifier"},
-                               "samples": [[i, store.entry(i)["sha256"]] for i in store]})
-    result = ExtractResult(
-        store=str(store_dir), backend=cfg.backend, shard=[start, end], samples_in_shard=end - start,
-        samples_written=stats["samples_written"], samples_resumed=len(done),
-        samples_unfittable=stats["samples_unfittable"], tokens_written=tokens_written,
-        bytes_written=stats["bytes_written"], store_samples=len(store), store_tokens=store.total_tokens,
-        bytes_on_disk=files_bytes + (store_dir / "store.json").stat().st_size
+    result = HiddenStates(
+        out_dir=str(store_dir.parent), fingerprint=store.fingerprint(), store_path=str(store_dir),
+        verifier=verifier, aux_layer_ids=aux_ids, compute_dtype=compute_dtype, store_dtype=store_dtype,
+        hidden_size=spec.hidden_size, max_seq_len=dataset.max_seq_len if isinstance(dataset, PreparedData)
+        else max(lengths), backend=cfg.backend, num_samples=len(ds), shard=[start, end], samples_stored=len(store),
+        store_tokens=store.total_tokens,
+        bytes_on_disk=files_bytes + (store_dir / STORE_JSON).stat().st_size
         + (manifest.stat().st_size if manifest.exists() else 0),
         manifest_sha256=sha256_file(manifest) if manifest.exists() else "",
-        fingerprint=fingerprint, tokens_per_second=tokens_written / extract_s if extract_s > 0 else 0.0,
-        extract_seconds=extract_s, model_load_seconds=stats["model_load_seconds"], model_loads=stats["model_loads"],
+        samples_written=stats["samples_written"], samples_resumed=len(done), samples_unfittable=unfittable[:1000],
+        samples_unfittable_count=len(unfittable), tokens_written=tokens_written,
+        tokens_per_second=tokens_written / extract_s if extract_s > 0 else 0.0, extract_seconds=extract_s,
+        model_load_seconds=stats["model_load_seconds"], model_loads=stats["model_loads"],
         token_budget_history=stats["token_budget_history"], temp_files_removed=temps_removed,
         manifest_entries_dropped=dropped,
     )
+    result.save()
     log.info("extract: done: %d samples written (%s tokens, %s bytes) at %s tok/s, %d resumed, %d unfittable "
              "skipped; store %s holds %d/%d samples", result.samples_written, f"{tokens_written:,}",
-             f"{result.bytes_written:,}", f"{result.tokens_per_second:,.0f}", result.samples_resumed,
-             len(result.samples_unfittable), store_dir, len(store), len(ds))
+             f"{stats['bytes_written']:,}", f"{result.tokens_per_second:,.0f}", result.samples_resumed,
+             len(unfittable), store_dir, len(store), len(ds))
     return result

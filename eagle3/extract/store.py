@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from safetensors.torch import save as safetensors_save
 
-from eagle3.support.io import atomic_write_bytes, atomic_write_json, atomic_write_text, sha256_file
+from eagle3.support.io import atomic_write_bytes, atomic_write_json, atomic_write_text, sha256_file, sha256_json
 
 FORMAT = "eagle3-hidden-states/1"
 STORE_JSON = "store.json"
@@ -47,6 +47,10 @@ MANIFEST = "manifest.jsonl"
 DEFAULT_GROUP_SIZE = 2000
 TMP_SUFFIX = ".tmp"
 KEYS = ("aux_hidden_states", "final_hidden_state", "input_ids", "loss_mask")
+TOKEN_TENSORS = (("input_ids", "int64"), ("loss_mask", "uint8"))  # per-token bookkeeping stored beside the states
+# one key only: safetensors writes a multi-key metadata map in a per-process order, so the same tensors would give
+# different bytes (and sha256) in different processes; the sample's index lives in its file name and manifest line
+SAMPLE_METADATA = {"format": "pt"}
 
 _ST_DTYPES = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -177,7 +181,7 @@ def serialize_sample(
         "input_ids": input_ids.detach().to("cpu", torch.int64).contiguous(),
         "loss_mask": loss_mask.detach().to("cpu", torch.uint8).contiguous(),
     }
-    return safetensors_save(tensors, metadata={"format": "pt", "index": str(index)})
+    return safetensors_save(tensors, metadata=SAMPLE_METADATA)
 
 
 def write_sample_bytes(store_dir: Path, index: int, data: bytes, tokens: int, group_size: int) -> dict[str, Any]:
@@ -548,6 +552,12 @@ class HiddenStateStore:
             more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
             raise StoreError(f"store {self.path}: {len(bad)} bad samples: " + "; ".join(bad[:5]) + more)
         return {"samples": len(self._sorted), "tokens": self.total_tokens, "bytes": nbytes}
+
+    def fingerprint(self) -> str:
+        """Content identity of the store: its metadata (without the verifier's path) and every listed sample's
+        sha256. Sample bytes are deterministic, so the same states give the same fingerprint in any process."""
+        meta = {k: v for k, v in self.meta.items() if k != "verifier"}
+        return sha256_json({"meta": meta, "samples": [[i, self._entries[i]["sha256"]] for i in self._sorted]})
 
     def __repr__(self) -> str:
         return (f"HiddenStateStore({str(self.path)!r}, samples={len(self)}/{self.meta['num_samples']}, "

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from eagle3.extract.config import ExtractConfig
 from eagle3.extract.store import MANIFEST
-from eagle3.support.gpu import OutOfMemoryAfterRetries
+from eagle3.support.gpu import OutOfMemoryAfterRetries, is_oom_text
 from eagle3.support.paths import vllm_python, vllm_subprocess_env
 from eagle3.support.subproc import kill_process_tree, popen_guarded
 from eagle3.support.verifier import VerifierSpec
@@ -35,8 +35,6 @@ from eagle3.support.verifier import VerifierSpec
 log = logging.getLogger("eagle3.extract")
 
 WORK_DIR = ".vllm-work"  # inside the store; dot-folders are ignored by readers and fingerprints
-_OOM_MARKERS = ("out of memory", "outofmemoryerror", "no available memory for the cache blocks",
-                "can't allocate memory", "cannot allocate memory")
 _CHUNK_SAMPLES = 4096  # prompts per LLM.generate call in the driver (bounds its host memory)
 
 
@@ -89,6 +87,7 @@ def run_vllm(
     cfg: ExtractConfig,
     spec: VerifierSpec,
     aux_ids: list[int],
+    compute_dtype: str,
     ds,
     todo: dict[int, int],
     store_dir: Path,
@@ -114,7 +113,7 @@ def run_vllm(
                 "verifier": str(spec.path), "aux_layer_ids": aux_ids, "num_hidden_layers": spec.num_hidden_layers,
                 "store_dir": str(store_dir), "group_size": meta["group_size"], "store_dtype": meta["dtype"],
                 "work_file": str(work_file),
-                "dtype": spec.dtype if cfg.dtype == "auto" else cfg.dtype,
+                "dtype": compute_dtype,
                 "tensor_parallel_size": cfg.tensor_parallel_size,
                 "max_num_batched_tokens": budget, "max_num_seqs": cfg.max_samples_per_batch,
                 "max_model_len": max(remaining.values()) + 1,
@@ -134,7 +133,7 @@ def run_vllm(
             if rc == 0 and not remaining:
                 break
             tail = _tail(log_file)
-            if rc != 0 and any(m in tail.lower() for m in _OOM_MARKERS):
+            if rc != 0 and is_oom_text(tail):
                 if budget <= cfg.min_tokens_per_batch:
                     raise OutOfMemoryAfterRetries(
                         f"vLLM ran out of memory at the token-budget floor ({budget:,} tokens per step, "
