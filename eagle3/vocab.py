@@ -1,6 +1,6 @@
 """Draft vocabulary: the most frequent ASSISTANT tokens of the prepared dataset, and the d2t / t2d tables.
 
-Pipeline position: data -> **vocab** -> train / validate / checkpoint.
+Pipeline position: prepare -> **vocab** -> train / validate / checkpoint.
 
 * ``count_assistant_tokens`` counts token ids over loss-masked positions only (mask 1 = assistant token), streaming
   the Arrow dataset in record batches and counting each batch with one ``torch.bincount``.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pyarrow.compute as pc
@@ -26,8 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from eagle3.prepare import load_prepared
-from eagle3.support.io import atomic_path, atomic_write_json
+from eagle3.prepare import PreparedData, load_prepared
+from eagle3.support.artifacts import Artifact
+from eagle3.support.io import atomic_path, atomic_write_json, sha256_file
 
 log = logging.getLogger("eagle3")
 
@@ -208,8 +210,28 @@ def _check_mapping(d2t: torch.Tensor, t2d: torch.Tensor, path: Path) -> None:
         )
 
 
-def build_vocab(cfg: VocabConfig, dataset_dir: str | Path, target_vocab_size: int, out_dir: str | Path) -> dict:
-    """Count, choose, write. Returns the report plus ``mapping_path`` / ``report_path``."""
+class VocabMapping(Artifact):
+    """The vocab stage's output: the draft vocabulary as vLLM's d2t / t2d tables, and its coverage."""
+
+    stage: ClassVar[str] = "build-vocab"
+
+    mapping_path: str = Field(description="mapping.safetensors: d2t [draft_vocab] int64, t2d [target_vocab] bool.")
+    report_path: str = Field(description="report.json: counts, coverage, the most frequent tokens.")
+    draft_vocab_size: int = Field(description="Draft vocabulary, tokens.")
+    target_vocab_size: int = Field(description="Verifier vocabulary, tokens.")
+    distinct_tokens_seen: int = Field(description="Distinct assistant-token ids in the data.")
+    assistant_token_occurrences: int = Field(description="Assistant tokens counted (loss mask = 1).")
+    coverage: float = Field(description="Share of assistant-token occurrences the draft vocabulary holds.")
+
+    def outputs(self) -> list[str]:
+        return [self.mapping_path, self.report_path]
+
+
+def build_vocab(cfg: VocabConfig, dataset: PreparedData | str | Path, target_vocab_size: int,
+                out_dir: str | Path) -> VocabMapping:
+    """Count, choose, write (the vocab stage). ``dataset``: the prepare stage's artifact or a prepared dataset
+    folder; ``target_vocab_size``: the verifier's vocabulary."""
+    dataset_dir = dataset.dataset_path if isinstance(dataset, PreparedData) else str(dataset)
     if cfg.draft_vocab_size > target_vocab_size:  # fail before reading the dataset
         raise VocabError(
             f"draft_vocab_size {cfg.draft_vocab_size} is larger than the target vocabulary ({target_vocab_size} tokens)"
@@ -223,4 +245,10 @@ def build_vocab(cfg: VocabConfig, dataset_dir: str | Path, target_vocab_size: in
         cfg.draft_vocab_size, target_vocab_size, report["distinct_tokens_seen"], report["coverage"],
         report["assistant_token_occurrences"],
     )
-    return {**report, "mapping_path": str(mapping), "report_path": str(Path(out_dir) / REPORT_FILE)}
+    result = VocabMapping(
+        out_dir=str(out_dir), fingerprint=sha256_file(mapping), mapping_path=str(mapping),
+        report_path=str(Path(out_dir) / REPORT_FILE), draft_vocab_size=cfg.draft_vocab_size,
+        target_vocab_size=target_vocab_size, distinct_tokens_seen=report["distinct_tokens_seen"],
+        assistant_token_occurrences=report["assistant_token_occurrences"], coverage=report["coverage"])
+    result.save()
+    return result

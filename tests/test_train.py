@@ -33,7 +33,7 @@ def make_store(root: Path, verifier: Path, ids: list[list[int]], masks: list[lis
                            "device": "cpu", "log_every_samples": 0,
                            "log_every_seconds": 0}, ds, root / "store")
     vocab = build_vocab(VocabConfig(draft_vocab_size=draft_vocab), ds, vocab_size, root / "vocab")
-    return root / "store", Path(vocab["mapping_path"])
+    return root / "store", Path(vocab.mapping_path)
 
 
 @pytest.fixture(scope="module")

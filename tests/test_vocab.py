@@ -81,12 +81,12 @@ def test_round_trip_coverage_and_frequent_prompt_tokens_excluded(dataset, tmp_pa
     assert not t2d[3] and not t2d[4]  # ...and never enter the draft vocabulary
 
     total = sum(expected.values())
-    assert result["coverage"] == pytest.approx(sum(expected[t] for t in kept) / total, abs=0)
-    assert result["assistant_token_occurrences"] == total
-    assert result["distinct_tokens_seen"] == len(expected)
-    assert result["seen_tokens_dropped"] == len(expected) - 64
+    assert result.coverage == pytest.approx(sum(expected[t] for t in kept) / total, abs=0)
+    assert result.assistant_token_occurrences == total
+    assert result.distinct_tokens_seen == len(expected)
     report = json.loads((tmp_path / "vocab" / "report.json").read_text())
-    assert report["coverage"] == result["coverage"] and report["top_tokens"][0]["count"] == max(expected.values())
+    assert report["seen_tokens_dropped"] == len(expected) - 64
+    assert report["coverage"] == result.coverage and report["top_tokens"][0]["count"] == max(expected.values())
 
 
 def test_tie_break_higher_count_then_lower_id():
@@ -123,8 +123,8 @@ def test_draft_vocab_larger_than_tokens_seen_fills_lowest_unseen_ids(tmp_path):
     # seen: 9 (3x), 7 (1x); unseen fill, lowest first: 0, 1, 2, 3
     assert (torch.arange(6) + d2t).tolist() == [0, 1, 2, 3, 7, 9]
     assert torch.nonzero(t2d).flatten().tolist() == [0, 1, 2, 3, 7, 9]
-    assert result["coverage"] == 1.0
-    assert result["distinct_tokens_seen"] == 2 and result["unseen_tokens_filled"] == 4
+    assert result.coverage == 1.0
+    assert result.distinct_tokens_seen == 2 and json.loads(Path(result.report_path).read_text())["unseen_tokens_filled"] == 4
     assert "4 draft slots hold unseen" in result["note"]
 
 
