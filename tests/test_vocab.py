@@ -124,8 +124,9 @@ def test_draft_vocab_larger_than_tokens_seen_fills_lowest_unseen_ids(tmp_path):
     assert (torch.arange(6) + d2t).tolist() == [0, 1, 2, 3, 7, 9]
     assert torch.nonzero(t2d).flatten().tolist() == [0, 1, 2, 3, 7, 9]
     assert result.coverage == 1.0
-    assert result.distinct_tokens_seen == 2 and json.loads(Path(result.report_path).read_text())["unseen_tokens_filled"] == 4
-    assert "4 draft slots hold unseen" in result["note"]
+    report = json.loads(Path(result.report_path).read_text())
+    assert result.distinct_tokens_seen == 2 and report["unseen_tokens_filled"] == 4
+    assert "4 draft slots hold unseen" in report["note"]
 
 
 def test_draft_vocab_larger_than_target_is_one_clear_error(dataset, tmp_path):
