@@ -33,7 +33,8 @@ from eagle3.draft.model import DraftConfig
 from eagle3.extract.stage import extract_hidden_states
 from eagle3.extract.store import HiddenStateStore
 from eagle3.support.verifier import VerifierSpec
-from eagle3.train.trainer import TrainConfig, train_draft
+from eagle3.train.config import TrainConfig
+from eagle3.train.stage import train_draft
 from eagle3.vocab import VocabConfig, build_vocab
 
 
@@ -80,7 +81,7 @@ def main() -> None:
         cfg = TrainConfig(epochs=1, batch_size=2, max_seq_len=args.max_seq_len, ttt_steps=args.ttt_steps,
                           val_ratio=0.0, eval_before_training=False, log_every_steps=1000, device="cpu",
                           keep_last_n=1)
-        result = train_draft(cfg, tmp / "store", vocab, verifier, tmp / "out")
+        result = train_draft(cfg, tmp / "store", vocab, tmp / "out", verifier=verifier)
         peak = max(peak_before, matmul_peak())
         train_lines = [json.loads(x) for x in (tmp / "out" / "metrics.jsonl").read_text().splitlines()]
         tok_s = [r for r in train_lines if r["event"] == "train"][-1]["tokens_per_s"]

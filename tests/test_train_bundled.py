@@ -9,7 +9,8 @@ from eagle3.draft.model import DraftArchitecture
 from eagle3.extract.stage import extract_hidden_states
 from eagle3.prepare import PrepareConfig, prepare_data
 from eagle3.support.paths import BUNDLED_DATA
-from eagle3.train.trainer import TrainConfig, train_draft
+from eagle3.train.config import TrainConfig
+from eagle3.train.stage import train_draft
 from eagle3.vocab import VocabConfig, build_vocab
 
 # measured on 2 cores with the bundled verifier (600-step build): untrained 1.002, trained 1.588 (acc per TTT step
@@ -30,11 +31,11 @@ def test_training_raises_validation_acceptance(bundled_verifier, tmp_path):
     cfg = TrainConfig(epochs=3, lr=3e-3, batch_size=2, max_seq_len=512, ttt_steps=2, val_ratio=0.1,
                       warmup_ratio=0.05, log_every_steps=20, keep_last_n=1, device="cpu",
                       draft=DraftArchitecture(intermediate_size=256))
-    r = train_draft(cfg, tmp_path / "store", vocab["mapping_path"], bundled_verifier, tmp_path / "train")
-    before, after = r["untrained_val"], r["final_val"]
-    print(json.dumps({"before": before, "after": after, "wall_s": r["wall_s"], "steps": r["global_step"]}))
+    r = train_draft(cfg, tmp_path / "store", vocab.mapping_path, tmp_path / "train", verifier=bundled_verifier)
+    before, after = r.untrained_val, r.final_val
+    print(json.dumps({"before": before, "after": after, "wall_s": r.wall_s, "steps": r.global_step}))
     assert after["sim_accept_len"] >= MIN_TRAINED_SIM_ACCEPT
     assert after["sim_accept_len"] - before["sim_accept_len"] >= MIN_GAIN_OVER_UNTRAINED
     # accuracy improves at every TTT step, and the later steps learned too (they see the draft's own states)
     assert all(a > b for a, b in zip(after["acc_per_step"], before["acc_per_step"]))
-    assert r["best_sim_accept_len"] >= after["sim_accept_len"] - 1e-9
+    assert r.best_sim_accept_len >= after["sim_accept_len"] - 1e-9

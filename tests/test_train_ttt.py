@@ -13,18 +13,9 @@ from torch import nn
 
 from eagle3.draft.model import DraftConfig, Eagle3Draft
 from eagle3.support.verifier import VerifierSpec
-from eagle3.train.trainer import (
-    Batch,
-    TrainConfig,
-    TrainingTimeTest,
-    context_mask,
-    lr_at,
-    pack_samples,
-    packing_efficiency,
-    split_indices,
-    summarize,
-    ttt_counted,
-)
+from eagle3.train.data import Batch, pack_samples, packing_efficiency, split_indices
+from eagle3.train.schedule import lr_at
+from eagle3.train.ttt import TrainingTimeTest, context_mask, summarize, ttt_counted
 
 H, D, K = 8, 50, 4
 
@@ -218,8 +209,7 @@ def test_split_is_deterministic_disjoint_and_sized():
 
 
 def test_lr_schedule_warmup_then_cosine():
-    cfg = TrainConfig(lr=1e-3, warmup_ratio=0.1, min_lr_ratio=0.1)
-    lrs = [lr_at(s, 100, cfg) for s in range(100)]
+    lrs = [lr_at(s, 100, 1e-3, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1) for s in range(100)]
     assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
     assert all(a >= b for a, b in itertools.pairwise(lrs[9:])) and lrs[-1] == pytest.approx(1e-4, rel=0.01)
-    assert lr_at(50, 100, TrainConfig(lr=1e-3, warmup_ratio=0, schedule="constant")) == 1e-3
+    assert lr_at(50, 100, 1e-3, warmup_steps=0, schedule="constant") == 1e-3

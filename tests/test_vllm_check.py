@@ -65,7 +65,8 @@ def trained_draft(bundled_verifier, tmp_path_factory) -> Path:
     from eagle3.extract.config import ExtractConfig
     from eagle3.extract.stage import extract_hidden_states
     from eagle3.prepare import PrepareConfig, prepare_data
-    from eagle3.train.trainer import TrainConfig, train_draft
+    from eagle3.train.config import TrainConfig
+    from eagle3.train.stage import train_draft
     from eagle3.vocab import VocabConfig, build_vocab
 
     root = tmp_path_factory.mktemp("trained")
@@ -77,8 +78,8 @@ def trained_draft(bundled_verifier, tmp_path_factory) -> Path:
     vocab = build_vocab(VocabConfig(draft_vocab_size=2048), data.dataset_path, 8192, root / "vocab")
     result = train_draft(TrainConfig(epochs=TRAIN_EPOCHS, lr=3e-3, batch_size=8, ttt_steps=K, max_seq_len=512,
                                      val_ratio=0.05, device="cpu", checkpoint_dtype="float32", keep_last_n=1),
-                         root / "store", vocab["mapping_path"], bundled_verifier, root / "train")
-    return Path(result["best"])
+                         root / "store", vocab.mapping_path, root / "train", verifier=bundled_verifier)
+    return Path(result.checkpoint_dir)
 
 
 @pytest.fixture(scope="module")

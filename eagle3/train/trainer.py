@@ -6,46 +6,12 @@ Lifecycle (``Trainer``): setup (check inputs, split, pack, build draft/teacher/o
 optimizer steps; validation, vLLM-ready checkpoint, trainer state and plots after each epoch) -> cleanup.
 ``train_draft`` runs it in this process, or launches ``torch.distributed.run`` workers (eagle3.train.launch) when
 ``nproc > 1``.
-
-Training-time test: K unrolled draft steps over every context position of a packed row at once
--------------------------------------------------------------------------------------------------
-One packed sample of T tokens (i = position inside the sample; a_i / f_i = the verifier's aux / final states after
-reading x_0 .. x_i, so f_i gives the verifier's distribution of x_{i+1})::
-
-    i                  :  0      1      2      3      4      5
-    input_ids          :  x0     x1     x2     x3     x4     x5
-    verifier states    :  a0,f0  a1,f1  a2,f2  a3,f3  a4,f4  a5,f5
-
-    step 0, entry i    :  token x_{i+1}, hidden fc(a_i), position i                 (vLLM's first pass)
-      token            :  x1     x2     x3     x4     x5     .
-      teacher          :  f1     f2     f3     f4     f5     .         guesses x_{i+2}
-      counted if       :  i+2 < T and loss_mask[i+2]                    (i = 0 .. 3 here)
-    step 1, entry i    :  token x_{i+2}, hidden g0_i (step-0 PRE-norm output, same entry), position i+1
-      token            :  x2     x3     x4     x5     .      .
-      teacher          :  f2     f3     f4     f5     .      .         guesses x_{i+3}  (i = 0 .. 2)
-    step k, entry i    :  token x_{i+1+k}, hidden g{k-1}_i, position i+k, teacher f_{i+1+k}, guesses x_{i+2+k},
-                          counted if i+2+k < T and loss_mask[i+2+k] (the guessed token is an assistant token)
-
-Attention of step k, entry i: the step-0 entries 0 .. i of the SAME packed sample (the context, fc(aux) features, as
-vLLM's KV cache holds them) plus its own entries at steps 1 .. k (the diagonal: the chain's earlier draft steps).
-So entry i of step k is vLLM's draft step k of a chain whose first pass ended at position i (eagle3.draft.model docstring),
-except that step k reads the data token x_{i+1+k} where serving reads its own guess (equal whenever the chain is
-still accepted under greedy verification).
-
-Teacher: the verifier's final norm + lm_head rows of the draft vocabulary applied to the stored final state,
-softmax over the draft vocabulary (the verifier distribution restricted to the draft vocab). Loss per step: forward
-KL(teacher || draft), averaged over counted entries of the whole optimizer step (all micro-batches, all ranks);
-total = sum_k step_weight_decay**k * loss_k.
-
-Metrics per step k: accuracy = P(draft argmax == teacher argmax) over counted entries; conditional accuracy = the
-same among entries whose steps 0 .. k-1 were all right (a chain still alive). Simulated acceptance length, on vLLM's
-scale (vLLM's mean acceptance length = 1 + accepted / drafts, the 1 being the verifier's bonus token):
-``sim_accept_len = 1 + sum_k prod_{j<=k} acc_j`` (the issue's definition, product of marginal accuracies) and
-``chain_accept_len = 1 + sum_k prod_{j<=k} cond_acc_j`` (expected accepted length of a greedy chain).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import math
 import os
@@ -53,308 +19,29 @@ import random
 import shutil
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from eagle3.draft import checkpoint as ckpt
-from eagle3.draft.model import DraftArchitecture, DraftConfig, Eagle3Draft
+from eagle3.draft.model import DraftConfig, Eagle3Draft
 from eagle3.extract.store import HiddenStateStore, StoreError
-from eagle3.support.io import atomic_write_json, atomic_write_text, sha256_file
-from eagle3.support.progress import Progress, fmt_duration
+from eagle3.support.io import atomic_write_text, sha256_file
+from eagle3.support.progress import Progress
+from eagle3.support.settings import output_view
 from eagle3.support.verifier import VerifierSpec, load_verifier_head, verifier_fingerprint
+from eagle3.train.config import TrainConfig, TrainError
+from eagle3.train.data import Batch, BatchPlan, StepLoader, collate, pack_samples, packing_efficiency, split_indices
 from eagle3.train.schedule import lr_at
+from eagle3.train.ttt import N_STATS, TrainingTimeTest, summarize
 from eagle3.vocab import load_mapping
 
 log = logging.getLogger("eagle3")
 
 METRICS = "metrics.jsonl"
-RESULT = "train_result.json"
-N_STATS = 5  # per TTT step: kl_sum, counted, correct, alive (chain still right before this step), alive_correct
-# settings that do not change what the run computes: a resumed run may change them
-RESUME_FREE = frozenset({"log_every_steps", "stop_after_steps", "save_state_every_steps", "device", "nproc",
-                         "parallel", "prefetch", "keep_last_n", "grad_accum_steps"})
-
-
-class TrainError(ValueError):
-    """Bad training input (store, vocab mapping, verifier, settings); the message names the file / field."""
-
-
-class TrainConfig(BaseModel):
-    """Draft training settings (EAGLE-3 / SpecForge defaults where they exist)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    epochs: int = Field(10, gt=0, description="Passes over the training split.")
-    lr: float = Field(1e-4, gt=0, description="Peak learning rate (AdamW), per optimizer step.")
-    schedule: Literal["cosine", "constant"] = Field(
-        "cosine", description="Learning-rate schedule after warmup: cosine decay to min_lr_ratio * lr, or constant.")
-    warmup_ratio: float = Field(0.015, ge=0, lt=1, description="Linear warmup length as a fraction of all "
-                                "optimizer steps of the run.")
-    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate of the cosine, as a fraction "
-                                "of lr.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay (per step, times lr).")
-    adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2).")
-    max_grad_norm: float = Field(0.5, gt=0, description="Gradient clipping: max global L2 norm.")
-    batch_size: int = Field(8, gt=0, description="Packed sequences per optimizer step, over all processes and "
-                            "accumulation micro-steps (the global batch). Must be a multiple of "
-                            "nproc * grad_accum_steps.")
-    grad_accum_steps: int = Field(1, gt=0, description="Micro-batches per process per optimizer step.")
-    max_seq_len: int = Field(2048, gt=2, description="Packed sequence length in tokens; longer samples are "
-                             "truncated to it.")
-    ttt_steps: int = Field(7, gt=0, description="Training-time-test unroll depth K in draft steps (EAGLE-3: 7; "
-                           "vLLM serving often drafts 3).")
-    step_weight_decay: float = Field(0.8, gt=0, le=1, description="Loss weight of TTT step k is this ** k.")
-    val_ratio: float = Field(0.05, ge=0, lt=1, description="Fraction of samples held out for validation "
-                             "(deterministic in seed).")
-    seed: int = Field(0, description="Seed of the draft init, split and per-epoch batch order.")
-    keep_last_n: int = Field(2, ge=0, description="Epoch checkpoints kept besides `best` (0 = keep all).")
-    save_state_every_steps: int = Field(0, ge=0, description="Also write the resume state every this many "
-                                        "optimizer steps inside an epoch (0 = only at epoch ends).")
-    stop_after_steps: int | None = Field(None, gt=0, description="End this invocation once the run has made this "
-                                         "many optimizer steps in total, saving the resume state (time-boxed "
-                                         "jobs); the schedule still spans all epochs. None = run to the end.")
-    eval_before_training: bool = Field(True, description="Validate the untrained draft first (epoch 0 in the "
-                                       "metrics) as a baseline.")
-    log_every_steps: int = Field(10, gt=0, description="One progress line + one metrics.jsonl line every this "
-                                 "many optimizer steps.")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu. "
-                                                   "bf16 autocast on cuda, float32 on cpu.")
-    nproc: int = Field(1, gt=0, description="Training processes (torchrun workers; one per GPU on cuda).")
-    parallel: Literal["ddp", "fsdp"] = Field("ddp", description="With nproc > 1: ddp replicates the draft; fsdp "
-                                             "shards it (drafts too big for one GPU).")
-    draft: DraftArchitecture = Field(default_factory=DraftArchitecture, description="Draft architecture options.")
-    checkpoint_dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
-        None, description="dtype of the saved draft weights (None: the verifier's dtype).")
-    save_embedding: bool = Field(False, description="Also save embed_tokens.weight in model.safetensors (vLLM "
-                                 "shares the verifier's embedding when it is absent; Kimi: 2.3 GB saved).")
-    prefetch: bool = Field(True, description="Load the next optimizer step's batches in a background thread.")
-
-
-# ----------------------------------------------------------------------------- data: split, pack, collate
-
-
-def split_indices(indices: list[int], val_ratio: float, seed: int) -> tuple[list[int], list[int]]:
-    """Deterministic (train, val) split of sample indices; val gets round(ratio * N) samples, at least 1 when
-    ratio > 0 and N >= 2, and never all of them."""
-    n = len(indices)
-    n_val = 0 if val_ratio <= 0 or n < 2 else min(n - 1, max(1, round(val_ratio * n)))
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    val = sorted(indices[i] for i in perm[:n_val])
-    train = sorted(indices[i] for i in perm[n_val:])
-    return train, val
-
-
-def pack_samples(lengths: dict[int, int], max_seq_len: int) -> list[list[int]]:
-    """Best-fit-decreasing bin packing of samples (index -> tokens, each <= max_seq_len) into rows of
-    ``max_seq_len`` tokens. Deterministic; O(N log N + N * bins) worst case with a sorted free-space list."""
-    import bisect
-
-    order = sorted(lengths, key=lambda i: (-lengths[i], i))
-    bins: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # sorted (free tokens, bin id)
-    for i in order:
-        n = lengths[i]
-        j = bisect.bisect_left(free, (n, -1))
-        if j < len(free):
-            space, b = free.pop(j)
-            bins[b].append(i)
-            space -= n
-        else:
-            b = len(bins)
-            bins.append([i])
-            space = max_seq_len - n
-        if space > 0:
-            bisect.insort(free, (space, b))
-    return bins
-
-
-def packing_efficiency(bins: list[list[int]], lengths: dict[int, int], max_seq_len: int) -> float:
-    """Real tokens / token slots (rows * max_seq_len)."""
-    return sum(lengths[i] for b in bins for i in b) / max(1, len(bins) * max_seq_len)
-
-
-def shift_left(x: torch.Tensor, n: int, fill: float | bool) -> torch.Tensor:
-    """x: [B, T, ...] -> y with y[:, i] = x[:, i + n] (i + n < T), ``fill`` beyond the end."""
-    if n == 0:
-        return x
-    pad = torch.full_like(x[:, :n], fill)
-    return torch.cat([x[:, n:], pad], dim=1) if n < x.shape[1] else torch.full_like(x, fill)
-
-
-def ttt_counted(loss_mask: torch.Tensor, seq_ids: torch.Tensor, k: int) -> torch.Tensor:
-    """Entries of TTT step k that enter loss and metrics: the guessed token x_{i+2+k} lies in the same packed sample
-    and is loss-masked (see the diagram). loss_mask: [B, T] bool, seq_ids: [B, T] (-1 = padding) -> [B, T] bool."""
-    same = shift_left(seq_ids, 2 + k, -1) == seq_ids
-    return shift_left(loss_mask, 2 + k, False) & same & (seq_ids >= 0)
-
-
-def ttt_in_sample(seq_ids: torch.Tensor, k: int) -> torch.Tensor:
-    """Entries whose step-k guess x_{i+2+k} is still inside their own sample (loss mask not required)."""
-    return (shift_left(seq_ids, 2 + k, -1) == seq_ids) & (seq_ids >= 0)
-
-
-def context_mask(seq_ids: torch.Tensor) -> torch.Tensor:
-    """Step-0 attention: causal inside each packed sample. seq_ids: [B, T] -> [B, 1, T, T] bool (True = attend).
-    Padding entries (-1) see the padding before them, never a sample (and no row is empty)."""
-    t = seq_ids.shape[1]
-    same = seq_ids[:, :, None] == seq_ids[:, None, :]  # [B, T, T]
-    causal = torch.ones(t, t, dtype=torch.bool, device=seq_ids.device).tril()
-    return (same & causal)[:, None]
-
-
-@dataclass
-class Batch:
-    """Packed rows of one micro-batch (tensors on CPU until ``to``)."""
-
-    input_ids: torch.Tensor  # [B, T] int64, target-vocab ids (0 in padding)
-    aux: torch.Tensor  # [B, T, n_aux * H] store dtype
-    final: torch.Tensor  # [B, T, H] store dtype, last layer output BEFORE the verifier's final norm
-    loss_mask: torch.Tensor  # [B, T] bool
-    seq_ids: torch.Tensor  # [B, T] int64 sample slot within its row, -1 = padding
-    position_ids: torch.Tensor  # [B, T] int64 position inside its own sample
-    tokens: int  # real tokens in the batch
-    counted: torch.Tensor  # [K] int64 entries counted per TTT step
-
-    def to(self, device: torch.device) -> Batch:
-        move = {"device": device, "non_blocking": True}
-        return Batch(self.input_ids.to(**move), self.aux.to(**move), self.final.to(**move),
-                     self.loss_mask.to(**move), self.seq_ids.to(**move), self.position_ids.to(**move), self.tokens,
-                     self.counted)
-
-
-def collate(store: HiddenStateStore, bins: list[list[int]], max_seq_len: int, ttt_steps: int,
-            vocab_size: int) -> Batch:
-    """Load the samples of ``bins`` (one packed row each) into padded tensors (length = longest row)."""
-    rows = [[store.load(i) for i in b] for b in bins]
-    lens = [[min(int(s["input_ids"].shape[0]), max_seq_len) for s in r] for r in rows]
-    b, t = len(bins), max(1, max(sum(r) for r in lens))
-    h, n_aux_h = store.hidden_size, store.hidden_size * int(store.meta["n_aux"])
-    out = Batch(
-        input_ids=torch.zeros(b, t, dtype=torch.int64), aux=torch.zeros(b, t, n_aux_h, dtype=store.dtype),
-        final=torch.zeros(b, t, h, dtype=store.dtype), loss_mask=torch.zeros(b, t, dtype=torch.bool),
-        seq_ids=torch.full((b, t), -1, dtype=torch.int64), position_ids=torch.zeros(b, t, dtype=torch.int64),
-        tokens=sum(map(sum, lens)), counted=torch.zeros(ttt_steps, dtype=torch.int64),
-    )
-    for r, (samples, idxs) in enumerate(zip(rows, bins)):
-        start = 0
-        for slot, (s, n, idx) in enumerate(zip(samples, lens[r], idxs)):
-            ids = s["input_ids"][:n]
-            if n and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
-                raise TrainError(f"sample {idx} of store {store.path}: token id {int(ids.max())} outside the "
-                                 f"verifier vocabulary [0, {vocab_size})")
-            sl = slice(start, start + n)
-            out.input_ids[r, sl] = ids
-            out.aux[r, sl] = s["aux_hidden_states"][:n]
-            out.final[r, sl] = s["final_hidden_state"][:n]
-            out.loss_mask[r, sl] = s["loss_mask"][:n].bool()
-            out.seq_ids[r, sl] = slot
-            out.position_ids[r, sl] = torch.arange(n)
-            start += n
-    for k in range(ttt_steps):
-        out.counted[k] = ttt_counted(out.loss_mask, out.seq_ids, k).sum()
-    return out
-
-
-# ----------------------------------------------------------------------------- the training-time test
-
-
-class TrainingTimeTest(nn.Module):
-    """Draft + frozen teacher head; ``forward`` unrolls K draft steps and returns (loss, stats [K, 5]).
-
-    Wrapping this whole module (not the draft) in DDP/FSDP keeps every draft call inside one ``forward``.
-    """
-
-    def __init__(self, draft: nn.Module, teacher_norm: torch.Tensor, teacher_lm_head: torch.Tensor, eps: float,
-                 ttt_steps: int, step_weight_decay: float, autocast_dtype: torch.dtype | None = None):
-        super().__init__()
-        self.draft = draft
-        self.register_buffer("teacher_norm", teacher_norm, persistent=False)  # [H]
-        self.register_buffer("teacher_lm_head", teacher_lm_head, persistent=False)  # [draft_vocab, H]
-        self.eps, self.ttt_steps, self.autocast_dtype = eps, ttt_steps, autocast_dtype
-        self.weights = [step_weight_decay**k for k in range(ttt_steps)]
-
-    def teacher_logits(self, final: torch.Tensor) -> torch.Tensor:
-        """final: [B, T, H] (BEFORE the verifier's final norm) -> [B, T, draft_vocab]: verifier norm + lm_head rows."""
-        with torch.autocast(final.device.type, enabled=False):  # the teacher stays float32 under bf16 autocast
-            h = final.float()
-            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.teacher_norm.float()
-            return h @ self.teacher_lm_head.float().T
-
-    def forward(self, batch: Batch, norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm: [K] float, the divisor of step k's KL sum (entries counted in the whole optimizer step, divided by the
-        number of processes because DDP averages gradients). Returns (weighted loss, stats [K, 5] float64)."""
-        device = batch.input_ids.device
-        enabled = self.autocast_dtype is not None
-        with torch.autocast(device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=enabled):
-            with torch.no_grad():
-                t_logp = torch.log_softmax(self.teacher_logits(batch.final).float(), dim=-1)  # [B, T, D]
-                t_arg = t_logp.argmax(-1)  # [B, T]
-                t_p = t_logp.exp()  # [B, T, D] teacher probabilities, once: every TTT step slices this storage
-                t_ent = -(t_p * t_logp).sum(-1)  # [B, T] entropy of the teacher
-            mask = context_mask(batch.seq_ids)  # [B, 1, T, T]
-            hidden = self.draft.project_aux(batch.aux.float())  # [B, T, H]; bf16 under autocast on cuda
-            return self._unroll(batch, hidden, mask, t_p, t_arg, t_ent, norm)
-
-    def _unroll(self, batch: Batch, hidden: torch.Tensor, mask: torch.Tensor, t_p: torch.Tensor,
-                t_arg: torch.Tensor, t_ent: torch.Tensor, norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from eagle3.draft.model import KVCache
-
-        t = batch.input_ids.shape[1]
-        cache = KVCache()
-        alive = torch.ones_like(batch.loss_mask)  # [B, T] chain right at every earlier step
-        loss = hidden.new_zeros((), dtype=torch.float32)
-        stats = torch.zeros(self.ttt_steps, N_STATS, dtype=torch.float64, device=hidden.device)
-        for k in range(self.ttt_steps):
-            ids = shift_left(batch.input_ids, 1 + k, 0)  # [B, T] token x_{i+1+k}
-            hidden, logits = self.draft.step(ids, hidden, batch.position_ids + k, mask, cache)
-            n = t - 1 - k  # entries 0 .. n-1 have a teacher f_{i+1+k}
-            if n <= 0:
-                continue
-            counted = ttt_counted(batch.loss_mask, batch.seq_ids, k)[:, :n]  # [B, n]
-            logq = torch.log_softmax(logits[:, :n].float(), dim=-1)  # [B, n, D]
-            tp = t_p[:, 1 + k:]  # [B, n, D] teacher f_{i+1+k} (a view: no per-step copy kept for backward)
-            # forward KL(p || q) = cross-entropy(p, q) - entropy(p)
-            kl = -(tp * logq).sum(-1) - t_ent[:, 1 + k:]  # [B, n]
-            kl_sum = (kl * counted).sum()
-            loss = loss + self.weights[k] * kl_sum / norm[k]
-            with torch.no_grad():
-                right = logq.argmax(-1) == t_arg[:, 1 + k:]  # [B, n]
-                live = alive[:, :n]
-                stats[k, 0] = kl_sum.detach().double()
-                stats[k, 1] = counted.sum()
-                stats[k, 2] = (right & counted).sum()
-                stats[k, 3] = (live & counted).sum()
-                stats[k, 4] = (live & right & counted).sum()
-                alive[:, :n] &= right & ttt_in_sample(batch.seq_ids, k)[:, :n]
-                alive[:, n:] = False
-        return loss, stats
-
-
-def summarize(stats: torch.Tensor, weights: list[float]) -> dict[str, Any]:
-    """stats: [K, 5] sums -> per-step loss / acc / cond_acc, weighted loss and simulated acceptance lengths."""
-    s = stats.double().cpu()
-    counted = s[:, 1].clamp(min=1)
-    loss_k = (s[:, 0] / counted).tolist()
-    acc = (s[:, 2] / counted).tolist()
-    cond = (s[:, 4] / s[:, 3].clamp(min=1)).tolist()
-    prod_acc, prod_cond, sim, chain = 1.0, 1.0, 1.0, 1.0
-    for a, c in zip(acc, cond):
-        prod_acc *= a
-        prod_cond *= c
-        sim += prod_acc
-        chain += prod_cond
-    return {
-        "loss": sum(w * v for w, v in zip(weights, loss_k)), "loss_per_step": loss_k, "acc_per_step": acc,
-        "cond_acc_per_step": cond, "sim_accept_len": sim, "chain_accept_len": chain,
-        "counted_per_step": [int(v) for v in s[:, 1].tolist()],
-    }
-
 
 # ----------------------------------------------------------------------------- distributed plumbing
 
@@ -391,10 +78,6 @@ class Dist:
 # ----------------------------------------------------------------------------- the trainer
 
 
-def _jsonable(x: Any) -> Any:
-    return x.model_dump(mode="json") if isinstance(x, BaseModel) else x
-
-
 class Trainer:
     """setup -> train -> cleanup; see the module docstring. Rank 0 writes every file."""
 
@@ -407,7 +90,7 @@ class Trainer:
         self.dist = dist or Dist()
         self.ckpt_dir, self.latest_dir = self.out_dir / "checkpoints", self.out_dir / "latest"
         self.metrics_path = self.out_dir / METRICS
-        self._pool: ThreadPoolExecutor | None = None
+        self._loader: StepLoader | None = None
 
     # --- setup ------------------------------------------------------------------------------------------------
 
@@ -464,7 +147,7 @@ class Trainer:
         if self.resume and (self.latest_dir / ckpt.STATE_JSON).is_file():
             self._load_state()
         elif self.dist.main:
-            for p in (self.metrics_path, self.out_dir / RESULT, self.ckpt_dir / "best"):
+            for p in (self.metrics_path, self.ckpt_dir / "best"):
                 p.unlink(missing_ok=True)
             for p in [*ckpt.list_epoch_dirs(self.ckpt_dir), self.latest_dir]:
                 shutil.rmtree(p, ignore_errors=True)
@@ -477,8 +160,6 @@ class Trainer:
                      "device %s", len(train_idx), len(self.train_bins), cfg.max_seq_len, self.packing,
                      self.truncated, len(val_idx), len(self.val_bins), self.steps_per_epoch, cfg.epochs, self.micro,
                      cfg.grad_accum_steps, d.world, self.device)
-        if cfg.prefetch:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eagle3-prefetch")
 
     def _device(self) -> torch.device:
         want = self.cfg.device
@@ -526,19 +207,11 @@ class Trainer:
 
     # --- batches ----------------------------------------------------------------------------------------------
 
-    def _epoch_order(self, epoch: int) -> list[list[int]]:
-        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + epoch)
-        return [self.train_bins[i] for i in torch.randperm(len(self.train_bins), generator=g).tolist()]
-
-    def _step_bins(self, order: list[list[int]], step: int) -> list[list[list[int]]]:
-        """This process's micro-batches (lists of bins) of optimizer step ``step`` of the epoch."""
-        cfg, d, mb = self.cfg, self.dist, self.micro
-        glob = order[step * cfg.batch_size:(step + 1) * cfg.batch_size]
-        return [glob[(m * d.world + d.rank) * mb:(m * d.world + d.rank + 1) * mb] for m in range(cfg.grad_accum_steps)]
-
-    def _load(self, micro_bins: list[list[list[int]]]) -> list[Batch]:
-        cfg = self.cfg
-        return [collate(self.store, b, cfg.max_seq_len, cfg.ttt_steps, self.draft_cfg.vocab_size) for b in micro_bins]
+    def _steps(self):
+        """(epoch, step) of every optimizer step left in the run, in order (the loader's sampler)."""
+        for epoch in range(self.epoch, self.cfg.epochs):
+            for step in range(self.step_in_epoch if epoch == self.epoch else 0, self.steps_per_epoch):
+                yield epoch, step
 
     # --- train ------------------------------------------------------------------------------------------------
 
@@ -552,22 +225,21 @@ class Trainer:
                             logger=log if self.dist.main else logging.getLogger("eagle3.rank"),
                             on_update=self.on_progress if self.dist.main else None)
         stopped = False
+        plan = BatchPlan(self.train_bins, cfg.seed, cfg.batch_size, cfg.grad_accum_steps, self.dist.world,
+                         self.dist.rank)
+        self._loader = StepLoader(self.store, plan, self._steps(), cfg.max_seq_len, cfg.ttt_steps,
+                                  self.draft_cfg.vocab_size, cfg.loader_workers, pin_memory=self.device.type == "cuda")
+        batches_of = iter(self._loader)
         while self.epoch < cfg.epochs and not stopped:
-            order = self._epoch_order(self.epoch)
             window = torch.zeros(cfg.ttt_steps, N_STATS, dtype=torch.float64)
-            pending = None
             for step in range(self.step_in_epoch, self.steps_per_epoch):
-                micro_bins = self._step_bins(order, step)
-                batches = pending.result() if pending is not None else self._load(micro_bins)
-                pending = None
-                if self._pool is not None and step + 1 < self.steps_per_epoch:
-                    pending = self._pool.submit(self._load, self._step_bins(order, step + 1))
-                stats, tokens = self._optimizer_step(batches)
+                stats, tokens = self._optimizer_step(next(batches_of))
                 window += stats
                 self.step_in_epoch, self.global_step = step + 1, self.global_step + 1
                 self.tokens_seen += tokens
-                done = progress.done + 1
-                due = done % cfg.log_every_steps == 0 or done >= remaining
+                # the log cadence follows the run's global step (not this invocation's count), so a resumed run
+                # writes the same metrics.jsonl records as an uninterrupted one
+                due = self.global_step % cfg.log_every_steps == 0 or self.global_step >= self.total_steps
                 extra = self._log_train(window, progress, tokens) if due else ""
                 if due:
                     window.zero_()
@@ -578,8 +250,6 @@ class Trainer:
                 if cfg.save_state_every_steps and self.global_step % cfg.save_state_every_steps == 0 \
                         and self.step_in_epoch < self.steps_per_epoch:
                     self._save_state()
-            if pending is not None:
-                pending.result()
             if stopped and self.step_in_epoch < self.steps_per_epoch:
                 self._save_state()
                 break
@@ -608,7 +278,8 @@ class Trainer:
             last = m == len(batches) - 1
             if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP: reduce-scatter on the last micro-batch
                 self.model.set_requires_gradient_sync(last)
-            sync = self.model.no_sync() if (hasattr(self.model, "no_sync") and not last) else _null()  # DDP
+            sync = self.model.no_sync() if (hasattr(self.model, "no_sync") and not last) \
+                else contextlib.nullcontext()  # DDP: all-reduce on the last micro-batch only
             with sync:
                 loss, s = self.model(batch.to(self.device), norm)
                 loss.backward()
@@ -726,8 +397,12 @@ class Trainer:
         state = ckpt.load_trainer_state(self.latest_dir)
         old = state["config"]
         now = self.cfg.model_dump(mode="json")
-        free = RESUME_FREE | {"epochs"}
-        diff = sorted(k for k in now if k not in free and _norm_json(old.get(k)) != _norm_json(now[k]))
+        try:  # what changes the run: the output settings (runtime and resumable ones may change on resume)
+            old_view = output_view(TrainConfig.model_validate(old), keep_resumable=False)
+        except ValueError as e:
+            raise TrainError(f"cannot resume from {self.latest_dir}: its saved settings do not load ({e})") from None
+        new_view = output_view(self.cfg, keep_resumable=False)
+        diff = sorted(k for k in new_view if k != "epochs" and old_view.get(k) != new_view[k])
         if diff:
             raise TrainError(f"cannot resume from {self.latest_dir}: settings {diff} differ from the saved run; "
                              f"use another out_dir or resume=False")
@@ -749,15 +424,11 @@ class Trainer:
                 or (r.get("global_step") == self.global_step and (r["event"] != "val" or r["epoch"] <= self.epoch))]
         self.history = keep
         if self.dist.main:
-            import json
-
             atomic_write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in keep))
             log.info("[train] resumed from %s: epoch %d, step %d/%d of the epoch, global step %d", self.latest_dir,
                      self.epoch, self.step_in_epoch, self.steps_per_epoch, self.global_step)
 
     def _append_metrics(self, rec: dict[str, Any]) -> None:
-        import json
-
         self.history.append(rec)
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -785,14 +456,17 @@ class Trainer:
                        "Validation simulated acceptance length", "optimizer step", "tokens per verifier step")
 
     def _result(self, stopped_early: bool) -> dict[str, Any]:
+        """The run's outcome, keyed exactly as eagle3.train.stage.DraftCheckpoint's fields (no renaming)."""
         best = ckpt.best_dir(self.ckpt_dir)
         vals = [r for r in self.history if r["event"] == "val"]
-        weights = best / ckpt.WEIGHTS if best else None
         return {
-            "out_dir": str(self.out_dir), "checkpoints": [str(p) for p in ckpt.list_epoch_dirs(self.ckpt_dir)],
-            "best": str(best) if best else None, "best_epoch": self.best["epoch"],
+            "out_dir": str(self.out_dir), "checkpoint_dir": str(best) if best else None,
+            "weights_sha256": sha256_file(best / ckpt.WEIGHTS) if best else None,
+            "config_sha256": sha256_file(best / ckpt.CONFIG) if best else None,
+            "aux_layer_ids": list(self.draft_cfg.aux_layer_ids), "draft_vocab_size": self.draft_cfg.draft_vocab_size,
+            "best_epoch": self.best["epoch"] if best else None,
             "best_sim_accept_len": self.best["sim_accept_len"] if best else None,
-            "best_sha256": sha256_file(weights) if weights else None,
+            "epoch_checkpoints": [str(p) for p in ckpt.list_epoch_dirs(self.ckpt_dir)],
             "latest_state": str(self.latest_dir), "metrics_path": str(self.metrics_path),
             "plots": [str(p) for p in sorted(self.out_dir.glob("*.png"))],
             "final_val": vals[-1] if vals else None, "untrained_val": next((r for r in vals if r["epoch"] == 0), None),
@@ -803,26 +477,12 @@ class Trainer:
         }
 
     def cleanup(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-def _norm_json(v: Any) -> Any:
-    return list(v) if isinstance(v, tuple) else v
+        if self._loader is not None:
+            self._loader.close()
+            self._loader = None
 
 
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
-    import json
-
     if not path.is_file():
         return []
     out = []
@@ -832,44 +492,3 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue  # a torn last line from a crash
     return out
-
-
-# ----------------------------------------------------------------------------- entry points
-
-
-def run_local(cfg: TrainConfig, store_dir: str | Path, vocab_path: str | Path, verifier_path: str | Path,
-              out_dir: str | Path, resume: bool = True, dist: Dist | None = None,
-              on_progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
-    """Run the trainer in this process (one rank of a torchrun job when ``dist`` says so)."""
-    torch.manual_seed(cfg.seed)
-    trainer = Trainer(cfg, store_dir, vocab_path, verifier_path, out_dir, resume=resume, dist=dist,
-                      on_progress=on_progress)
-    try:
-        trainer.setup()
-        start = time.monotonic()
-        result = trainer.train()
-        result["wall_s"] = round(time.monotonic() - start, 3)
-        if trainer.dist.main:
-            atomic_write_json(Path(out_dir) / RESULT, result)
-            log.info("[train] done in %s: best %s (sim accept %s)", fmt_duration(result["wall_s"]), result["best"],
-                     result["best_sim_accept_len"])
-        return result
-    finally:
-        trainer.cleanup()
-
-
-def train_draft(cfg: TrainConfig, store_dir: str | Path, vocab_path: str | Path, verifier_path: str | Path,
-                out_dir: str | Path, resume: bool = True,
-                on_progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
-    """Train a draft into ``out_dir``; returns the manifest (checkpoint paths, best path + sha256 of its weights,
-    validation metrics before and after training, packing efficiency, ...).
-
-    ``resume`` continues from ``out_dir/latest`` when it exists (a finished run returns at once); ``nproc > 1``
-    launches ``python -m torch.distributed.run`` workers (gloo on cpu, nccl on cuda) and waits for them
-    (``on_progress`` then stays silent: progress reaches the log through the workers' output).
-    """
-    if cfg.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        from eagle3.train.launch import launch
-
-        return launch(cfg, store_dir, vocab_path, verifier_path, out_dir, resume)
-    return run_local(cfg, store_dir, vocab_path, verifier_path, out_dir, resume, Dist.from_env(), on_progress)

@@ -1,0 +1,78 @@
+"""Settings of the train stage (one pydantic model; every field says its unit and whether it changes the output)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from eagle3.draft.model import DraftArchitecture
+from eagle3.support.settings import RESUMABLE, RUNTIME
+
+
+class TrainError(ValueError):
+    """Bad training input (store, vocab mapping, verifier, settings); the message names the file / field."""
+
+
+class TrainConfig(BaseModel):
+    """Draft training settings (EAGLE-3 / SpecForge defaults where they exist)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    epochs: int = Field(10, gt=0, description="Passes over the training split.")
+    lr: float = Field(1e-4, gt=0, description="Peak learning rate (AdamW), per optimizer step.")
+    schedule: Literal["cosine", "constant"] = Field(
+        "cosine", description="Learning-rate schedule after warmup: cosine decay to min_lr_ratio * lr, or constant.")
+    warmup_ratio: float = Field(0.015, ge=0, lt=1, description="Linear warmup length as a fraction of all "
+                                "optimizer steps of the run.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate of the cosine, as a fraction "
+                                "of lr.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay (per step, times lr).")
+    adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2).")
+    max_grad_norm: float = Field(0.5, gt=0, description="Gradient clipping: max global L2 norm.")
+    batch_size: int = Field(8, gt=0, description="Packed sequences per optimizer step, over all processes and "
+                            "accumulation micro-steps (the global batch). Must be a multiple of "
+                            "nproc * grad_accum_steps.")
+    grad_accum_steps: int = Field(1, gt=0, description="Micro-batches per process per optimizer step.",
+        json_schema_extra=RUNTIME)
+    max_seq_len: int = Field(2048, gt=2, description="Packed sequence length in tokens; longer samples are "
+                             "truncated to it.")
+    ttt_steps: int = Field(7, gt=0, description="Training-time-test unroll depth K in draft steps (EAGLE-3: 7; "
+                           "vLLM serving often drafts 3).")
+    step_weight_decay: float = Field(0.8, gt=0, le=1, description="Loss weight of TTT step k is this ** k.")
+    val_ratio: float = Field(0.05, ge=0, lt=1, description="Fraction of samples held out for validation "
+                             "(deterministic in seed).")
+    seed: int = Field(0, description="Seed of the draft init, split and per-epoch batch order.")
+    keep_last_n: int = Field(2, ge=0, description="Epoch checkpoints kept besides `best` (0 = keep all).",
+        json_schema_extra=RUNTIME)
+    save_state_every_steps: int = Field(0, ge=0, description="Also write the resume state every this many "
+                                        "optimizer steps inside an epoch (0 = only at epoch ends).",
+        json_schema_extra=RUNTIME)
+    stop_after_steps: int | None = Field(None, gt=0, description="End this invocation once the run has made this "
+                                         "many optimizer steps in total, saving the resume state (time-boxed "
+                                         "jobs); the schedule still spans all epochs. None = run to the end.",
+        json_schema_extra=RESUMABLE)
+    eval_before_training: bool = Field(True, description="Validate the untrained draft first (epoch 0 in the "
+                                       "metrics) as a baseline.")
+    log_every_steps: int = Field(10, gt=0, description="One progress line + one metrics.jsonl line every this "
+                                 "many optimizer steps.",
+        json_schema_extra=RUNTIME)
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu. "
+                                                   "bf16 autocast on cuda, float32 on cpu.",
+        json_schema_extra=RUNTIME)
+    nproc: int = Field(1, gt=0, description="Training processes (torchrun workers; one per GPU on cuda).",
+        json_schema_extra=RUNTIME)
+    parallel: Literal["ddp", "fsdp"] = Field("ddp", description="With nproc > 1: ddp replicates the draft; fsdp "
+                                             "shards it (drafts too big for one GPU).",
+        json_schema_extra=RUNTIME)
+    draft: DraftArchitecture = Field(default_factory=DraftArchitecture, description="Draft architecture options.")
+    checkpoint_dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
+        None, description="dtype of the saved draft weights (None: the verifier's dtype).")
+    save_embedding: bool = Field(False, description="Also save embed_tokens.weight in model.safetensors (vLLM "
+                                 "shares the verifier's embedding when it is absent; Kimi: 2.3 GB saved).")
+    loader_workers: int = Field(1, ge=0, description="DataLoader worker processes that read and collate the next "
+                                "optimizer steps' batches while the current one computes (0 = in the training "
+                                "process).",
+        json_schema_extra=RUNTIME)
+
+

@@ -1,0 +1,124 @@
+"""The train stage: hidden-state store + vocab mapping -> a vLLM-ready draft checkpoint (``DraftCheckpoint``).
+
+Pipeline position: extract + vocab -> **train** -> validate. ``train_draft`` runs the ``Trainer``
+(eagle3/train/trainer.py) in this process, or ``nproc`` workers through torch's elastic launch
+(eagle3/train/launch.py), inside the device guard; ``run_local`` is one rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from pydantic import Field
+
+from eagle3.extract.stage import HiddenStates
+from eagle3.support.artifacts import Artifact
+from eagle3.support.gpu import DeviceGuard, cuda_device_ids, file_lock_guard
+from eagle3.support.io import sha256_json
+from eagle3.support.progress import fmt_duration
+from eagle3.support.verifier import VerifierIdentity, describe_verifier
+from eagle3.train.config import TrainConfig, TrainError
+from eagle3.train.trainer import Dist, Trainer
+from eagle3.vocab import VocabMapping
+
+log = logging.getLogger("eagle3")
+
+
+class DraftCheckpoint(Artifact):
+    """The train stage's output: the best epoch's vLLM-ready checkpoint, its hashes, and how training went."""
+
+    stage: ClassVar[str] = "train-draft"
+
+    checkpoint_dir: str | None = Field(description="The best epoch's checkpoint folder (config.json + "
+                                       "model.safetensors + eagle3_run.json); None when the run stopped before "
+                                       "its first epoch ended.")
+    weights_sha256: str | None = Field(description="sha256 of the checkpoint's model.safetensors, recorded at "
+                                       "training: validation and the flow's summary compare it.")
+    config_sha256: str | None = Field(description="sha256 of the checkpoint's config.json.")
+    verifier: VerifierIdentity = Field(description="The verifier the draft was trained against.")
+    aux_layer_ids: list[int] = Field(description="vLLM convention: id k = residual stream entering decoder layer k.")
+    draft_vocab_size: int = Field(description="Draft vocabulary, tokens.")
+    best_epoch: int | None = Field(description="Epoch of the best validation simulated acceptance length.")
+    best_sim_accept_len: float | None = Field(description="That length (tokens per verifier step).")
+    epoch_checkpoints: list[str] = Field(description="Epoch checkpoint folders kept (keep_last_n, plus best).")
+    latest_state: str = Field(description="Resume state folder (weights, optimizer, RNG, counters).")
+    metrics_path: str = Field(description="metrics.jsonl: one train record every log_every_steps, one val record "
+                              "per epoch.")
+    plots: list[str] = Field(description="loss / accuracy / acceptance PNG curves.")
+    final_val: dict[str, Any] | None = Field(description="The last validation record (see metrics.jsonl).")
+    untrained_val: dict[str, Any] | None = Field(description="Validation of the untrained draft (epoch 0).")
+    epochs_done: int = Field(description="Epochs finished.")
+    global_step: int = Field(description="Optimizer steps made.")
+    total_steps: int = Field(description="Optimizer steps of the whole schedule.")
+    tokens_seen: int = Field(description="Real (unpadded) tokens trained on.")
+    packing_efficiency: float = Field(description="Real tokens / token slots of the packed training rows.")
+    train_rows: int = Field(description="Packed training rows (sequences of max_seq_len tokens).")
+    val_rows: int = Field(description="Packed validation rows.")
+    truncated_samples: int = Field(description="Samples longer than max_seq_len, cut to it.")
+    stopped_early: bool = Field(description="True when stop_after_steps ended this invocation before the schedule.")
+    nproc: int = Field(description="Training processes.")
+    wall_s: float = Field(description="Training wall time of this invocation, seconds.")
+
+    def outputs(self) -> list[str]:
+        return [p for p in (self.checkpoint_dir, self.metrics_path, self.latest_state) if p]
+
+
+def run_local(cfg: TrainConfig, store_dir: str | Path, vocab_path: str | Path, verifier_path: str | Path,
+              out_dir: str | Path, resume: bool = True, dist: Dist | None = None,
+              on_progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
+    """Run the trainer in this process (one rank of a multi-process job when ``dist`` says so); returns the
+    trainer's outcome (``Trainer._result``) with ``wall_s``."""
+    torch.manual_seed(cfg.seed)
+    trainer = Trainer(cfg, store_dir, vocab_path, verifier_path, out_dir, resume=resume, dist=dist,
+                      on_progress=on_progress)
+    try:
+        trainer.setup()
+        start = time.monotonic()
+        result = trainer.train()
+        result["wall_s"] = round(time.monotonic() - start, 3)
+        if trainer.dist.main:
+            log.info("[train] done in %s: best %s (sim accept %s)", fmt_duration(result["wall_s"]),
+                     result["checkpoint_dir"], result["best_sim_accept_len"])
+        return result
+    finally:
+        trainer.cleanup()
+
+
+def train_draft(cfg: TrainConfig, store: HiddenStates | str | Path, vocab: VocabMapping | str | Path,
+                out_dir: str | Path, *, verifier: VerifierIdentity | str | Path | None = None, resume: bool = True,
+                guard: DeviceGuard | None = None,
+                on_progress: Callable[[int, int, str], None] | None = None) -> DraftCheckpoint:
+    """Train a draft into ``out_dir`` (the train stage) and return its ``DraftCheckpoint``.
+
+    ``store`` / ``vocab``: the upstream artifacts (or a store folder / mapping file); ``verifier``: the store
+    artifact's when omitted (required with a plain store folder). ``resume`` continues from ``out_dir/latest``
+    (a finished run returns at once); ``nproc > 1`` runs that many workers (gloo on CPU, nccl on CUDA).
+    """
+    if isinstance(verifier, (str, Path)):
+        verifier = describe_verifier(verifier)
+    verifier = verifier or (store.verifier if isinstance(store, HiddenStates) else None)
+    if verifier is None:
+        raise TrainError("train_draft: pass the verifier (a HiddenStates artifact carries it; a store folder does not)")
+    store_dir = store.store_path if isinstance(store, HiddenStates) else str(store)
+    vocab_path = vocab.mapping_path if isinstance(vocab, VocabMapping) else str(vocab)
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    gpu_ids = cuda_device_ids(count=cfg.nproc) if use_cuda else []
+    with (guard or file_lock_guard(logger=log))(gpu_ids):
+        if cfg.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            from eagle3.train.launch import launch
+
+            result = launch(cfg, store_dir, vocab_path, verifier.path, out_dir, resume)
+        else:
+            result = run_local(cfg, store_dir, vocab_path, verifier.path, out_dir, resume, Dist.from_env(),
+                               on_progress)
+    artifact = DraftCheckpoint(
+        **result, verifier=verifier,
+        fingerprint=sha256_json([result["weights_sha256"], result["config_sha256"], result["global_step"]]))
+    artifact.save()
+    return artifact

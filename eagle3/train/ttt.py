@@ -1,0 +1,176 @@
+"""The training-time test (TTT): the EAGLE-3 loss and metrics over K unrolled draft steps.
+
+Training-time test: K unrolled draft steps over every context position of a packed row at once
+-------------------------------------------------------------------------------------------------
+One packed sample of T tokens (i = position inside the sample; a_i / f_i = the verifier's aux / final states after
+reading x_0 .. x_i, so f_i gives the verifier's distribution of x_{i+1})::
+
+    i                  :  0      1      2      3      4      5
+    input_ids          :  x0     x1     x2     x3     x4     x5
+    verifier states    :  a0,f0  a1,f1  a2,f2  a3,f3  a4,f4  a5,f5
+
+    step 0, entry i    :  token x_{i+1}, hidden fc(a_i), position i                 (vLLM's first pass)
+      token            :  x1     x2     x3     x4     x5     .
+      teacher          :  f1     f2     f3     f4     f5     .         guesses x_{i+2}
+      counted if       :  i+2 < T and loss_mask[i+2]                    (i = 0 .. 3 here)
+    step 1, entry i    :  token x_{i+2}, hidden g0_i (step-0 PRE-norm output, same entry), position i+1
+      token            :  x2     x3     x4     x5     .      .
+      teacher          :  f2     f3     f4     f5     .      .         guesses x_{i+3}  (i = 0 .. 2)
+    step k, entry i    :  token x_{i+1+k}, hidden g{k-1}_i, position i+k, teacher f_{i+1+k}, guesses x_{i+2+k},
+                          counted if i+2+k < T and loss_mask[i+2+k] (the guessed token is an assistant token)
+
+Attention of step k, entry i: the step-0 entries 0 .. i of the SAME packed sample (the context, fc(aux) features, as
+vLLM's KV cache holds them) plus its own entries at steps 1 .. k (the diagonal: the chain's earlier draft steps).
+So entry i of step k is vLLM's draft step k of a chain whose first pass ended at position i (eagle3.draft.model docstring),
+except that step k reads the data token x_{i+1+k} where serving reads its own guess (equal whenever the chain is
+still accepted under greedy verification).
+
+Teacher: the verifier's final norm + lm_head rows of the draft vocabulary applied to the stored final state,
+softmax over the draft vocabulary (the verifier distribution restricted to the draft vocab). Loss per step: forward
+KL(teacher || draft), averaged over counted entries of the whole optimizer step (all micro-batches, all ranks);
+total = sum_k step_weight_decay**k * loss_k.
+
+Metrics per step k: accuracy = P(draft argmax == teacher argmax) over counted entries; conditional accuracy = the
+same among entries whose steps 0 .. k-1 were all right (a chain still alive). Simulated acceptance length, on vLLM's
+scale (vLLM's mean acceptance length = 1 + accepted / drafts, the 1 being the verifier's bonus token):
+``sim_accept_len = 1 + sum_k prod_{j<=k} acc_j`` (the issue's definition, product of marginal accuracies) and
+``chain_accept_len = 1 + sum_k prod_{j<=k} cond_acc_j`` (expected accepted length of a greedy chain).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from eagle3.draft.model import KVCache
+from eagle3.support.verifier import teacher_logits
+
+if TYPE_CHECKING:
+    from eagle3.train.data import Batch
+
+N_STATS = 5  # per TTT step: kl_sum, counted, correct, alive (chain still right before this step), alive_correct
+
+
+def shift_left(x: torch.Tensor, n: int, fill: float | bool) -> torch.Tensor:
+    """x: [B, T, ...] -> y with y[:, i] = x[:, i + n] (i + n < T), ``fill`` beyond the end."""
+    if n == 0:
+        return x
+    pad = torch.full_like(x[:, :n], fill)
+    return torch.cat([x[:, n:], pad], dim=1) if n < x.shape[1] else torch.full_like(x, fill)
+
+
+def ttt_counted(loss_mask: torch.Tensor, seq_ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Entries of TTT step k that enter loss and metrics: the guessed token x_{i+2+k} lies in the same packed sample
+    and is loss-masked (see the diagram). loss_mask: [B, T] bool, seq_ids: [B, T] (-1 = padding) -> [B, T] bool."""
+    same = shift_left(seq_ids, 2 + k, -1) == seq_ids
+    return shift_left(loss_mask, 2 + k, False) & same & (seq_ids >= 0)
+
+
+def ttt_in_sample(seq_ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Entries whose step-k guess x_{i+2+k} is still inside their own sample (loss mask not required)."""
+    return (shift_left(seq_ids, 2 + k, -1) == seq_ids) & (seq_ids >= 0)
+
+
+def context_mask(seq_ids: torch.Tensor) -> torch.Tensor:
+    """Step-0 attention: causal inside each packed sample. seq_ids: [B, T] -> [B, 1, T, T] bool (True = attend).
+    Padding entries (-1) see the padding before them, never a sample (and no row is empty)."""
+    t = seq_ids.shape[1]
+    same = seq_ids[:, :, None] == seq_ids[:, None, :]  # [B, T, T]
+    causal = torch.ones(t, t, dtype=torch.bool, device=seq_ids.device).tril()
+    return (same & causal)[:, None]
+
+
+# ----------------------------------------------------------------------------- the training-time test
+
+
+class TrainingTimeTest(nn.Module):
+    """Draft + frozen teacher head; ``forward`` unrolls K draft steps and returns (loss, stats [K, 5]).
+
+    Wrapping this whole module (not the draft) in DDP/FSDP keeps every draft call inside one ``forward``.
+    """
+
+    def __init__(self, draft: nn.Module, teacher_norm: torch.Tensor, teacher_lm_head: torch.Tensor, eps: float,
+                 ttt_steps: int, step_weight_decay: float, autocast_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.draft = draft
+        self.register_buffer("teacher_norm", teacher_norm, persistent=False)  # [H]
+        self.register_buffer("teacher_lm_head", teacher_lm_head, persistent=False)  # [draft_vocab, H]
+        self.eps, self.ttt_steps, self.autocast_dtype = eps, ttt_steps, autocast_dtype
+        self.weights = [step_weight_decay**k for k in range(ttt_steps)]
+
+    def teacher_logits(self, final: torch.Tensor) -> torch.Tensor:
+        """final: [B, T, H] (BEFORE the verifier's final norm) -> [B, T, draft_vocab]: verifier norm + lm_head rows."""
+        with torch.autocast(final.device.type, enabled=False):  # the teacher stays float32 under bf16 autocast
+            return teacher_logits(final, self.teacher_norm, self.eps, self.teacher_lm_head)
+
+    def forward(self, batch: Batch, norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm: [K] float, the divisor of step k's KL sum (entries counted in the whole optimizer step, divided by the
+        number of processes because DDP averages gradients). Returns (weighted loss, stats [K, 5] float64)."""
+        device = batch.input_ids.device
+        enabled = self.autocast_dtype is not None
+        with torch.autocast(device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=enabled):
+            with torch.no_grad():
+                t_logp = torch.log_softmax(self.teacher_logits(batch.final).float(), dim=-1)  # [B, T, D]
+                t_arg = t_logp.argmax(-1)  # [B, T]
+                t_p = t_logp.exp()  # [B, T, D] teacher probabilities, once: every TTT step slices this storage
+                t_ent = -(t_p * t_logp).sum(-1)  # [B, T] entropy of the teacher
+            mask = context_mask(batch.seq_ids)  # [B, 1, T, T]
+            hidden = self.draft.project_aux(batch.aux.float())  # [B, T, H]; bf16 under autocast on cuda
+            return self._unroll(batch, hidden, mask, t_p, t_arg, t_ent, norm)
+
+    def _unroll(self, batch: Batch, hidden: torch.Tensor, mask: torch.Tensor, t_p: torch.Tensor,
+                t_arg: torch.Tensor, t_ent: torch.Tensor, norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+
+        t = batch.input_ids.shape[1]
+        cache = KVCache()
+        alive = torch.ones_like(batch.loss_mask)  # [B, T] chain right at every earlier step
+        loss = hidden.new_zeros((), dtype=torch.float32)
+        stats = torch.zeros(self.ttt_steps, N_STATS, dtype=torch.float64, device=hidden.device)
+        for k in range(self.ttt_steps):
+            ids = shift_left(batch.input_ids, 1 + k, 0)  # [B, T] token x_{i+1+k}
+            hidden, logits = self.draft.step(ids, hidden, batch.position_ids + k, mask, cache)
+            n = t - 1 - k  # entries 0 .. n-1 have a teacher f_{i+1+k}
+            if n <= 0:
+                continue
+            counted = ttt_counted(batch.loss_mask, batch.seq_ids, k)[:, :n]  # [B, n]
+            logq = torch.log_softmax(logits[:, :n].float(), dim=-1)  # [B, n, D]
+            tp = t_p[:, 1 + k:]  # [B, n, D] teacher f_{i+1+k} (a view: no per-step copy kept for backward)
+            # forward KL(p || q) = cross-entropy(p, q) - entropy(p)
+            kl = -(tp * logq).sum(-1) - t_ent[:, 1 + k:]  # [B, n]
+            kl_sum = (kl * counted).sum()
+            loss = loss + self.weights[k] * kl_sum / norm[k]
+            with torch.no_grad():
+                right = logq.argmax(-1) == t_arg[:, 1 + k:]  # [B, n]
+                live = alive[:, :n]
+                stats[k, 0] = kl_sum.detach().double()
+                stats[k, 1] = counted.sum()
+                stats[k, 2] = (right & counted).sum()
+                stats[k, 3] = (live & counted).sum()
+                stats[k, 4] = (live & right & counted).sum()
+                alive[:, :n] &= right & ttt_in_sample(batch.seq_ids, k)[:, :n]
+                alive[:, n:] = False
+        return loss, stats
+
+
+def summarize(stats: torch.Tensor, weights: list[float]) -> dict[str, Any]:
+    """stats: [K, 5] sums -> per-step loss / acc / cond_acc, weighted loss and simulated acceptance lengths."""
+    s = stats.double().cpu()
+    counted = s[:, 1].clamp(min=1)
+    loss_k = (s[:, 0] / counted).tolist()
+    acc = (s[:, 2] / counted).tolist()
+    cond = (s[:, 4] / s[:, 3].clamp(min=1)).tolist()
+    prod_acc, prod_cond, sim, chain = 1.0, 1.0, 1.0, 1.0
+    for a, c in zip(acc, cond):
+        prod_acc *= a
+        prod_cond *= c
+        sim += prod_acc
+        chain += prod_cond
+    return {
+        "loss": sum(w * v for w, v in zip(weights, loss_k)), "loss_per_step": loss_k, "acc_per_step": acc,
+        "cond_acc_per_step": cond, "sim_accept_len": sim, "chain_accept_len": chain,
+        "counted_per_step": [int(v) for v in s[:, 1].tolist()],
+    }
+
+
