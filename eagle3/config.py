@@ -1,8 +1,11 @@
 """The pipeline's configuration: one section per stage (each stage's own pydantic model), composed here.
 
-Prefect renders this model as the flow-run form in the UI; every field carries a description with units. Presets
-(``definitions.presets`` in prefect.yaml, also the deployments' parameters) are partial dicts deep-merged over the defaults: ``tiny`` (the bundled verifier,
-runs on a laptop) and ``kimi-k2.5`` (the original production run's choices).
+Prefect renders this model as the flow-run form in the UI; every field carries a description with units, and the
+fields the pipeline fills itself are hidden from the form (``SkipJsonSchema``). Presets (``definitions.presets`` in
+prefect.yaml, also the deployments' parameters) are partial dicts merged over the defaults: ``tiny`` (the bundled
+verifier, runs on a laptop), ``smollm2`` (a real instruct LLM on 2 CPU cores) and ``kimi-k2.5`` (the original
+production run's choices). One-setting overrides (``{"train.epochs": 1}``, the CLI's ``--set train.epochs=1``) go
+through ``apply_overrides``, validated like the rest.
 
 Shared values are set once at the top (``verifier_path``, ``max_seq_len``) and copied into the stage sections that
 need them, so the two cannot disagree.
@@ -11,42 +14,42 @@ need them, so the two cannot disagree.
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from eagle3.capacity import CapacityConfig
 from eagle3.extract.config import ExtractConfig
 from eagle3.prepare import PrepareConfig
-from eagle3.support.paths import REPO_ROOT, resolve_path
-from eagle3.support.verifier import VerifierSpec
-from eagle3.train.trainer import TrainConfig
-from eagle3.validate.stage import ValidateConfig
+from eagle3.support.gpu import LockSettings
+from eagle3.support.paths import PREFECT_YAML, resolve_path
+from eagle3.support.settings import RUNTIME
+from eagle3.train.config import TrainConfig
+from eagle3.validate.config import ValidateConfig
 from eagle3.vocab import VocabConfig
 
-PREFECT_YAML = REPO_ROOT / "prefect.yaml"  # presets live in its `definitions.presets`: one source of truth
+
+class ConfigError(ValueError):
+    """A preset, override or config value that cannot be used; the message names the key."""
 
 
 class DataSection(PrepareConfig):
     sources: list[str] = Field(  # type: ignore[assignment]
         default_factory=lambda: ["data/stdlib-chat/train.openai.jsonl"], min_length=1,
         description=PrepareConfig.model_fields["sources"].description + " Relative paths: to the checkout.")
-    tokenizer_path: str | None = Field(  # type: ignore[assignment]
+    tokenizer_path: SkipJsonSchema[str | None] = Field(  # type: ignore[assignment]
         None, description="Tokenizer + chat template folder; None = the pipeline's verifier_path.")
-    max_seq_len: int | None = Field(  # type: ignore[assignment]
-        None, description="Set by the pipeline's max_seq_len (tokens); leave empty.")
-
-
-class CapacitySection(CapacityConfig):
-    store_dtype: str | None = Field(  # type: ignore[assignment]
-        None, description="Set from extract.store_dtype (the store is planned in the dtype it is written in).")
+    max_seq_len: SkipJsonSchema[int | None] = Field(  # type: ignore[assignment]
+        None, description="Set from the pipeline's max_seq_len (tokens).")
 
 
 class ExtractSection(ExtractConfig):
-    verifier: str | None = Field(  # type: ignore[assignment]
-        None, description="Set by the pipeline's verifier_path; leave empty.")
+    verifier: SkipJsonSchema[str | None] = Field(  # type: ignore[assignment]
+        None, description="Set from the pipeline's verifier_path.")
 
 
 class TrainSection(TrainConfig):
@@ -54,19 +57,19 @@ class TrainSection(TrainConfig):
         None, description="Packed sequence length in tokens; None = the pipeline's max_seq_len.")
 
 
-class HostConfig(BaseModel):
-    """The GPU host: the Prefect global concurrency limit that guards its GPUs (the host file lock guards them too)."""
+class HostConfig(LockSettings):
+    """The GPU host's guards: the Prefect global concurrency limit (slots = GPUs) and the host file lock. Every stage
+    that uses the GPUs (extraction, training, vLLM validation, regeneration) holds both (tasks/common.py gpu_guard),
+    occupying one slot per device it uses (at least one, on CPU too)."""
 
     model_config = ConfigDict(extra="forbid")
 
     gpu_concurrency_limit: str | None = Field(
         None, description="Name of the Prefect global concurrency limit of this host (slots = GPUs), made by "
-        "deployments/setup_prefect.sh. None = no limit (laptop demo, no server).")
+        "deployments/setup_prefect.sh. None = no limit (laptop demo, no server).", json_schema_extra=RUNTIME)
     strict: bool = Field(
-        False, description="Fail when the limit does not exist instead of running unguarded (true in deployments).")
-    extraction_gpus: int = Field(
-        1, ge=0, description="GPU slots extraction occupies (count): every GPU the verifier uses (Kimi-K2.5: 8).")
-    training_gpus: int = Field(1, ge=0, description="GPU slots training occupies (count): its torchrun processes.")
+        False, description="Fail when the limit does not exist instead of running unguarded (true in deployments).",
+        json_schema_extra=RUNTIME)
 
 
 class PipelineConfig(BaseModel):
@@ -74,26 +77,28 @@ class PipelineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    run_name: str = Field("tiny-demo", description="Name of the run: its folder under runs_dir and the flow-run name.")
+    run_name: str = Field("tiny-demo", description="Name of the run: its folder under runs_dir and the start of "
+                          "the flow-run name.")
     runs_dir: str = Field("runs", description="Folder that holds one sub-folder per run (relative: to the checkout).")
     result_storage: str | None = Field(
-        None, description="Where Prefect persists task results (small JSON manifests) and cache records: a local "
-        "folder or an fsspec URL (s3://bucket/prefix). None = <runs_dir>/.prefect-results.")
+        None, description="Where Prefect persists task results (small JSON artifacts) and cache records: a local "
+        "folder or an fsspec URL (s3://bucket/prefix). None = the runs_dir's .prefect-results folder.")
     verifier_path: str = Field(
         "models/tiny-chat-verifier", description="Verifier checkpoint folder (Hugging Face layout; relative: to the "
         "checkout). Kimi-K2.5's nested text_config and language_model. prefix are understood.")
     max_seq_len: int = Field(
         2048, ge=16, description="Longest sample in tokens: longer ones are skipped by data prep (counted), and the "
         "trainer packs samples into sequences of this length.")
-    data: DataSection = Field(description="Stage 1: chat datasets -> token ids + assistant-only loss masks.")
-    capacity: CapacitySection = Field(default_factory=CapacitySection,
-                                      description="Disk and time plan before extraction.")
+    data: DataSection = Field(default_factory=DataSection,
+                              description="Stage 1: chat datasets -> token ids + assistant-only loss masks.")
+    capacity: CapacityConfig = Field(default_factory=CapacityConfig, description="Disk and time plan before "
+                                     "extraction.")
     extract: ExtractSection = Field(default_factory=ExtractSection, description="Stage 2: verifier hidden states.")
     vocab: VocabConfig = Field(default_factory=VocabConfig, description="Stage 3: draft vocabulary (d2t / t2d).")
     train: TrainSection = Field(default_factory=TrainSection, description="Stage 4: the draft, training-time test.")
     validate_: ValidateConfig = Field(default_factory=ValidateConfig, alias="validate",
                                       description="Stage 5: checkpoint contract + vLLM speculative decoding.")
-    host: HostConfig = Field(default_factory=HostConfig, description="GPU host concurrency settings.")
+    host: HostConfig = Field(default_factory=HostConfig, description="GPU host guards (concurrency slots, lock).")
 
     @model_validator(mode="after")
     def _check(self) -> PipelineConfig:
@@ -120,11 +125,6 @@ class PipelineConfig(BaseModel):
                  max_seq_len=self.max_seq_len)
         return PrepareConfig.model_validate(d)
 
-    def capacity_config(self) -> CapacityConfig:
-        store = self.extract.store_dtype
-        dtype = VerifierSpec.from_path(self.verifier).dtype if store == "model" else store
-        return CapacityConfig.model_validate({**self.capacity.model_dump(), "store_dtype": dtype})
-
     def extract_config(self) -> ExtractConfig:
         return ExtractConfig.model_validate({**self.extract.model_dump(), "verifier": self.verifier})
 
@@ -147,14 +147,13 @@ class PipelineConfig(BaseModel):
         return str(Path(resolve_path(self.runs_dir, must_exist=False)) / ".prefect-results")
 
 
-def deep_merge(base: dict, override: dict) -> dict:
-    out = copy.deepcopy(base)
-    for k, v in override.items():
-        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
-    return out
+# ---------------------------------------------------------------------------------------------------- presets
 
 
 def _presets() -> dict[str, dict]:
+    if not PREFECT_YAML.is_file():
+        raise ConfigError(f"presets live in {PREFECT_YAML}, which is missing (the library was installed outside a "
+                          f"checkout: pass a full config instead of a preset name)")
     return yaml.safe_load(PREFECT_YAML.read_text())["definitions"]["presets"]
 
 
@@ -165,24 +164,51 @@ def preset_names() -> list[str]:
 def load_preset_dict(name: str) -> dict:
     presets = _presets()
     if name not in presets:
-        raise ValueError(f"unknown preset {name!r} (known: {', '.join(sorted(presets))}; see {PREFECT_YAML})")
+        raise ConfigError(f"unknown preset {name!r} (known: {', '.join(sorted(presets))}; see {PREFECT_YAML})")
     return copy.deepcopy(presets[name])
 
 
+def apply_overrides(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with each dotted key of ``overrides`` set (``{"train.epochs": 1}``; a nested dict value merges
+    into the section). Hand code because no library sets dotted paths into a plain dict: 20 lines."""
+    out = copy.deepcopy(base)
+    for key, value in overrides.items():
+        node = out
+        *parents, leaf = str(key).strip().split(".")
+        for part in parents:
+            if not isinstance(node.setdefault(part, {}), dict):
+                raise ConfigError(f"override {key!r}: {part!r} is a setting, not a section")
+            node = node[part]
+        if isinstance(value, dict) and isinstance(node.get(leaf), dict):
+            node[leaf] = apply_overrides(node[leaf], value)
+        else:
+            node[leaf] = copy.deepcopy(value)
+    return out
+
+
 def load_config(preset: str = "tiny", overrides: dict[str, Any] | None = None) -> PipelineConfig:
-    return PipelineConfig.model_validate(deep_merge(load_preset_dict(preset), overrides or {}))
+    """The preset with ``overrides`` (dotted keys or nested dicts) applied; one ConfigError naming the field."""
+    return validate_config(apply_overrides(load_preset_dict(preset), overrides or {}))
+
+
+def validate_config(data: dict[str, Any]) -> PipelineConfig:
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as e:
+        lines = [f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors()]
+        raise ConfigError("invalid pipeline config: " + "; ".join(lines)) from None
 
 
 def parse_set(assignments: list[str]) -> dict[str, Any]:
-    """``["train.epochs=2", "data.sources=[\\"a.jsonl\\"]"]`` -> nested dict; values parsed as YAML."""
+    """``["train.epochs=2", 'data.sources=["a.jsonl"]']`` -> ``{"train.epochs": 2, "data.sources": ["a.jsonl"]}``:
+    a value is JSON when it parses as JSON, else the plain string (pydantic converts "2" where a number is due)."""
     out: dict[str, Any] = {}
     for item in assignments:
         key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set {item!r}: expected dotted.key=value")
-        node = out
-        *parents, leaf = key.strip().split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(value)
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected dotted.key=value")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
     return out

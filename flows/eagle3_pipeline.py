@@ -6,30 +6,37 @@ Three flows, deployed by prefect.yaml: the whole pipeline, extraction alone (a s
 train + validate over an existing store. Run locally with Prefect's ephemeral API (no server to start):
 
     python -m flows.eagle3_pipeline --preset tiny [--set train.epochs=2 ...]
+
+Every flow takes ``config`` (the whole PipelineConfig; a deployment's default is its preset) and ``overrides``
+(dotted keys merged onto it and validated, e.g. ``{"train.epochs": 1}``: `prefect deployment run ... -p
+overrides='{"train.epochs": 1}'`).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import os
 import sys
+from typing import Any
 
 # the library logs through the "eagle3" logger (progress lines, OOM halvings, skipped rows): route it into Prefect's
 # handlers so it reaches the console and the run's logs in the UI. Deployments set it in prefect.yaml's job env.
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "eagle3")
 
 from prefect import flow
+from pydantic import Field
+from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
 logging.getLogger("eagle3").setLevel(logging.INFO)  # progress lines are INFO; Prefect's root logger is at WARNING
 
-from eagle3.config import PipelineConfig, load_config, parse_set, preset_names
+from eagle3.config import PipelineConfig, apply_overrides, load_config, parse_set, preset_names, validate_config
+from eagle3.support.io import sha256_file, sha256_json
 from eagle3.support.paths import resolve_path
+from tasks import artifacts
 from tasks.capacity import plan_capacity_task
-from tasks.common import describe_file, describe_inputs, result_storage_block, run_stage
+from tasks.common import describe_sources_task, describe_verifier_task, result_storage_block, run_stage
 from tasks.extract import extract_hidden_states_task
-from tasks.prepare import prepare_data
+from tasks.prepare import prepare_data_task
 from tasks.train import train_draft_task
 from tasks.validate import validate_draft_task
 from tasks.vocab import build_vocab_task
@@ -39,82 +46,132 @@ class DraftValidationFailed(RuntimeError):
     """The trained draft did not pass validation; the message names the checkpoint, the reasons and the report."""
 
 
+class CheckpointModified(RuntimeError):
+    """The checkpoint's weights no longer match the sha256 recorded at training; the message names the file."""
+
+
 # the flow-run form's defaults: the tiny preset (checkout-relative paths, so the default is portable)
 DEFAULT_CONFIG = load_config("tiny")
 
 
+def _config(config: PipelineConfig, overrides: dict[str, Any] | None) -> PipelineConfig:
+    if not overrides:
+        return config
+    return validate_config(apply_overrides(config.model_dump(mode="json", by_alias=True), overrides))
+
+
+def run_name() -> str:
+    """The flow run's name: the run name, a short key of the effective config, and the start time (UTC), so runs
+    of one preset are told apart and runs of the same settings share the key."""
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters
+    config = _config(PipelineConfig.model_validate(params["config"]), params.get("overrides"))
+    key = sha256_json(config.model_dump(mode="json"))[:6]
+    started = flow_run.scheduled_start_time.strftime("%m%d-%H%M%S") if flow_run.scheduled_start_time else ""
+    shard = f"shard{params['shard_start']}" if "shard_start" in params else ""
+    return "-".join(filter(None, [config.run_name, shard, key, started]))
+
+
 def _stages(config: PipelineConfig):
-    """The stage tasks with this run's result storage (cache records + manifests) attached."""
+    """The stage tasks with this run's result storage (cache records + artifacts) attached."""
     storage = result_storage_block(config.result_storage_path)
     return {t.name: t.with_options(result_storage=storage) for t in (
-        prepare_data, plan_capacity_task, extract_hidden_states_task, build_vocab_task, train_draft_task,
+        prepare_data_task, plan_capacity_task, extract_hidden_states_task, build_vocab_task, train_draft_task,
         validate_draft_task)}
 
 
-def _front(config: PipelineConfig, s: dict) -> tuple[dict, dict, dict]:
-    inputs = describe_inputs(config.verifier, config.sources)
-    data = run_stage(s["prepare-data"], cfg=config.prepare_config(), inputs=inputs, run_dir=config.run_dir)
-    plan = run_stage(s["plan-capacity"], cfg=config.capacity_config(), extract=config.extract_config(), inputs=inputs,
-                     data=data, run_dir=config.run_dir)
-    return inputs, data, plan
+def _front(config: PipelineConfig, s: dict):
+    verifier = describe_verifier_task(config.verifier)
+    sources = describe_sources_task(config.sources)
+    prepared = run_stage(s["prepare-data"], cfg=config.prepare_config(), sources=sources, verifier=verifier,
+                         run_dir=config.run_dir)
+    plan = run_stage(s["plan-capacity"], cfg=config.capacity, extract=config.extract_config(), verifier=verifier,
+                     prepared=prepared, run_dir=config.run_dir)
+    return verifier, prepared, plan
 
 
-@flow(name="eagle3-pipeline", flow_run_name="{config.run_name}")
-def eagle3_pipeline(config: PipelineConfig = DEFAULT_CONFIG) -> dict:
+@flow(name="eagle3-pipeline", flow_run_name=run_name)
+def eagle3_pipeline(config: PipelineConfig = DEFAULT_CONFIG, overrides: dict[str, Any] | None = None) -> dict:
     """Chat data + verifier -> trained EAGLE-3 draft, validated in vLLM. Every stage is cached by content."""
+    config = _config(config, overrides)
     s = _stages(config)
-    inputs, data, plan = _front(config, s)
-    store = run_stage(s["extract-hidden-states"], cfg=config.extract_config(), host=config.host, inputs=inputs,
-                      data=data, plan=plan, run_dir=config.run_dir)
-    vocab = run_stage(s["build-vocab"], cfg=config.vocab, inputs=inputs, data=data, run_dir=config.run_dir)
-    ckpt = run_stage(s["train-draft"], cfg=config.train_config(), host=config.host, inputs=inputs, store=store,
-                     vocab=vocab, run_dir=config.run_dir)
-    prompts = describe_file(resolve_path(config.validate_config.prompts_path))
-    report = run_stage(s["validate-draft"], cfg=config.validate_config, inputs=inputs, checkpoint=ckpt,
-                       prompts=prompts, run_dir=config.run_dir)
-    summary = {"run_dir": config.run_dir, "checkpoint": ckpt["best_dir"], "report": report["paths"].get("report_md"),
-               "verdict": report["verdict"], "mean_acceptance_length": report.get("mean_acceptance_length"),
-               "untrained_mean_acceptance_length": report.get("untrained_mean_acceptance_length")}
-    if report["verdict"] != "pass":  # the run ends Failed (alerts fire), after every artifact and report exists
-        raise DraftValidationFailed(f"the draft {ckpt['best_dir']} failed validation: {'; '.join(report['reasons'])} "
-                                    f"(report: {summary['report']})")
+    verifier, prepared, plan = _front(config, s)
+    store = run_stage(s["extract-hidden-states"], cfg=config.extract_config(), verifier=verifier, prepared=prepared,
+                      plan=plan, run_dir=config.run_dir, host=config.host)
+    vocab = run_stage(s["build-vocab"], cfg=config.vocab, verifier=verifier, prepared=prepared,
+                      run_dir=config.run_dir)
+    checkpoint = run_stage(s["train-draft"], cfg=config.train_config(), store=store, vocab=vocab,
+                           run_dir=config.run_dir, host=config.host)
+    prompts = describe_sources_task([resolve_path(config.validate_config.prompts_path)])
+    report = run_stage(s["validate-draft"], cfg=config.validate_config, checkpoint=checkpoint, prompts=prompts,
+                       run_dir=config.run_dir, host=config.host)
+    summary = {"run_dir": config.run_dir, "checkpoint": checkpoint.checkpoint_dir, "report": report.report_md,
+               "verdict": report.verdict, "mean_acceptance_length": report.mean_acceptance_length,
+               "untrained_mean_acceptance_length": report.untrained_mean_acceptance_length,
+               "weights_sha256": checkpoint.weights_sha256}
+    artifacts.run_summary(summary, checkpoint, report)
+    weights = os.path.join(checkpoint.checkpoint_dir or "", "model.safetensors")
+    if checkpoint.weights_sha256 and (not os.path.isfile(weights) or sha256_file(weights) != checkpoint.weights_sha256):
+        raise CheckpointModified(f"the draft checkpoint {weights} does not match the sha256 recorded when it was "
+                                 f"trained ({checkpoint.weights_sha256[:12]}...): it was changed or damaged since; "
+                                 f"do not serve it (rerun training, or restore the file)")
+    if report.verdict != "pass":  # the run ends Failed (alerts fire), after every artifact and report exists
+        raise DraftValidationFailed(f"the draft {checkpoint.checkpoint_dir} failed validation: "
+                                    f"{'; '.join(report.reasons)} (report: {report.report_md})")
     return summary
 
 
-@flow(name="eagle3-extract", flow_run_name="{config.run_name}-extract-{shard_start}")
-def eagle3_extract(config: PipelineConfig = DEFAULT_CONFIG, shard_start: int = 0, shard_end: int | None = None) -> dict:
+@flow(name="eagle3-extract", flow_run_name=run_name)
+def eagle3_extract(config: PipelineConfig = DEFAULT_CONFIG, shard_start: int = 0, shard_end: int | None = None,
+                   overrides: dict[str, Any] | None = None) -> dict:
     """Prepare + plan + extract only, for the dataset's samples [shard_start, shard_end) (sample indices; None = to
     the end). Several GPU hosts each take a shard through their own work queue; all shards fill one store."""
+    config = _config(config, overrides)
     s = _stages(config)
-    inputs, data, plan = _front(config, s)
+    verifier, prepared, plan = _front(config, s)
     extract = config.extract_config().model_copy(update={"shard_start": shard_start, "shard_end": shard_end})
-    return run_stage(s["extract-hidden-states"], cfg=extract, host=config.host, inputs=inputs, data=data, plan=plan,
-                     run_dir=config.run_dir)
+    store = run_stage(s["extract-hidden-states"], cfg=extract, verifier=verifier, prepared=prepared, plan=plan,
+                      run_dir=config.run_dir, host=config.host)
+    return store.model_dump(mode="json")
 
 
-@flow(name="eagle3-train-validate", flow_run_name="{config.run_name}-train")
-def eagle3_train_validate(config: PipelineConfig = DEFAULT_CONFIG) -> dict:
+@flow(name="eagle3-train-validate", flow_run_name=run_name)
+def eagle3_train_validate(config: PipelineConfig = DEFAULT_CONFIG, overrides: dict[str, Any] | None = None) -> dict:
     """Vocab + train + validate over the store that extraction (shards) filled. The same stages as the whole
     pipeline: prepare and plan are cache hits, and the extract stage only verifies the finished store (and fills any
     gap a failed shard left), so training never starts on a partial store."""
-    return eagle3_pipeline.fn(config)
+    return eagle3_pipeline.fn(config, overrides)
+
+
+class PipelineCLI(BaseSettings):
+    """python -m flows.eagle3_pipeline [--preset NAME] [--set KEY=VALUE ...]"""
+
+    model_config = SettingsConfigDict(cli_prog_name="python -m flows.eagle3_pipeline", cli_kebab_case=False,
+                                      env_prefix="EAGLE3_CLI_", cli_implicit_flags=True)
+
+    preset: str = Field("tiny", description="A preset of prefect.yaml's definitions.presets.")
+    set: list[str] = Field(default_factory=list, description="Override one setting, KEY=VALUE with a dotted key "
+                           "(e.g. train.epochs=2; a JSON value, else a string); repeatable.")
+
+    def cli_cmd(self) -> None:
+        if self.preset not in preset_names():
+            raise SystemExit(f"unknown preset {self.preset!r}; known: {', '.join(preset_names())}")
+        config = load_config(self.preset, parse_set(self.set))
+        try:
+            result = eagle3_pipeline(config)
+        except DraftValidationFailed as e:
+            print(f"\nFAILED: {e}")
+            raise SystemExit(1) from None
+        import json
+
+        print("\n" + json.dumps(result, indent=2))
+        print(f"\nDraft checkpoint (vLLM-ready): {result['checkpoint']}\nValidation report: {result['report']}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="tiny", choices=preset_names(), help="definitions.presets in prefect.yaml")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a setting, e.g. --set train.epochs=2 (value parsed as YAML); repeatable")
-    args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = load_config(args.preset, parse_set(args.set))
-    try:
-        result = eagle3_pipeline(config)
-    except DraftValidationFailed as e:
-        print(f"\nFAILED: {e}")
-        return 1
-    print("\n" + json.dumps(result, indent=2))
-    print(f"\nDraft checkpoint (vLLM-ready): {result['checkpoint']}\nValidation report: {result['report']}")
+    CliApp.run(PipelineCLI, cli_args=sys.argv[1:] if argv is None else argv)
     return 0
 
 

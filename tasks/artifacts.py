@@ -71,3 +71,19 @@ class ProgressArtifact:
                                      description=f"{self.description}: {line}"[:1000])
         except Exception as exc:  # noqa: BLE001 - the UI mirror must never fail the stage
             log.warning("progress artifact update failed: %s", exc)
+
+
+def run_summary(summary: dict, checkpoint, report) -> None:
+    """The run's summary (published on every run, a fully cached one too): where the checkpoint and the report
+    are, the verdict and acceptance, and which flow runs produced them."""
+    lines = [f"# EAGLE-3 run: {summary['verdict'].upper()}", "",
+             "| | |", "|---|---|",
+             f"| draft checkpoint (vLLM-ready) | `{summary['checkpoint']}` |",
+             f"| weights sha256 (recorded at training) | `{summary['weights_sha256']}` |",
+             f"| validation report | `{summary['report']}` |",
+             f"| mean acceptance length (vLLM) | {summary['mean_acceptance_length']} |",
+             f"| untrained draft | {summary['untrained_mean_acceptance_length']} |",
+             f"| checkpoint produced by | {checkpoint.producer or 'this run'} |",
+             f"| report produced by | {report.producer or 'this run'} |",
+             f"| run folder | `{summary['run_dir']}` |"]
+    markdown("run-summary", "\n".join(lines) + "\n", description="Where this run's draft and report are")

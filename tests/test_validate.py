@@ -16,7 +16,9 @@ from safetensors.torch import load_file, save_file
 from eagle3.draft.checkpoint import save_draft
 from eagle3.draft.model import DraftConfig, Eagle3Draft
 from eagle3.support.verifier import VerifierSpec
-from eagle3.validate.stage import ValidateConfig, render_markdown, validate_checkpoint, write_report
+from eagle3.validate.config import ValidateConfig
+from eagle3.validate.contract import validate_checkpoint
+from eagle3.validate.report import render_markdown, write_report
 from tasks.validate import validate_checkpoint_task, validate_draft_task
 
 DRAFT_VOCAB = 512
@@ -382,12 +384,13 @@ def test_bad_settings_raise_before_any_vllm_start(good, tiny_llama_verifier, tmp
     from eagle3.validate.vllm_check import PromptError
 
     with pytest.raises(FileNotFoundError, match="vLLM interpreter not found"):
-        validate_draft(ValidateConfig(vllm_python=str(tmp_path / "no-python")), good, tiny_llama_verifier, None,
-                       tmp_path / "a")
+        validate_draft(ValidateConfig(vllm_python=str(tmp_path / "no-python")), good, tmp_path / "a",
+                       verifier=tiny_llama_verifier)
     short = tmp_path / "one.jsonl"
     short.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     with pytest.raises(PromptError, match="holds 1 conversations, 8 prompts"):
-        validate_draft(ValidateConfig(vllm_python=sys.executable), good, tiny_llama_verifier, short, tmp_path / "b")
+        validate_draft(ValidateConfig(vllm_python=sys.executable), good, tmp_path / "b", verifier=tiny_llama_verifier,
+                       prompts_path=short)
 
 
 def test_prompt_file_rows_of_the_wrong_shape_are_one_clear_error(tmp_path):

@@ -20,13 +20,14 @@ import psutil
 import pytest
 import torch
 
-from eagle3.draft.checkpoint import save_draft
+from eagle3.draft.checkpoint import load_draft, save_draft
 from eagle3.draft.model import DraftConfig, Eagle3Draft
 from eagle3.support.paths import vllm_python
 from eagle3.support.subproc import SubprocessFailed
 from eagle3.support.verifier import VerifierSpec
 from eagle3.validate.specdec import load_verifier, speculative_generate
-from eagle3.validate.stage import ValidateConfig, run_vllm_check, validate_draft
+from eagle3.validate.config import ValidateConfig
+from eagle3.validate.stage import run_vllm_check, validate_draft
 from eagle3.validate.vllm_check import (
     AcceptanceStats,
     load_tokenizer,
@@ -87,7 +88,7 @@ def report(trained_draft, bundled_verifier, tmp_path_factory) -> dict:
     cfg = ValidateConfig(num_prompts=8, max_new_tokens=64, num_speculative_tokens=K, compare_untrained=True,
                          offline_reference=True, min_mean_acceptance_length=MIN_MEAN_ACCEPTANCE_LENGTH)
     out = tmp_path_factory.mktemp("validate")
-    rep = validate_draft(cfg, trained_draft, bundled_verifier, EVAL, out)
+    rep = validate_draft(cfg, trained_draft, out, verifier=bundled_verifier, prompts_path=EVAL).report()
     print(json.dumps({"vllm": rep["vllm"]["acceptance"], "untrained": rep["vllm"]["untrained"]["acceptance"],
                       "offline": rep["offline"]}, indent=1))
     return rep
@@ -195,7 +196,7 @@ def test_constant_draft_counters_equal_the_offline_loop_exactly(random_verifier,
     result = run_vllm_check(cfg, random_verifier, [draft_dir], EVAL, tmp_path / "work")
     run = result["drafts"][0]
     assert result["prompt_token_ids"] == prompts and run["lossless"]
-    draft = Eagle3Draft.from_checkpoint(draft_dir, verifier_path=random_verifier).eval()
+    draft = load_draft(draft_dir, verifier_path=random_verifier).eval()
     stats = AcceptanceStats(K)
     outs = [speculative_generate(verifier, draft, p, K, cfg.max_new_tokens, stops, stats)[0] for p in prompts]
     assert outs == result["baseline"]["token_ids"]

@@ -65,6 +65,14 @@ def draft_tensors(state: dict[str, torch.Tensor], dtype: torch.dtype,
     return out
 
 
+def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of a checkpoint of ``cfg``, read off the model itself (built on the meta device: no
+    memory even at Kimi size). ``embed_tokens.weight`` is included; a checkpoint may omit it (FROZEN)."""
+    with torch.device("meta"):
+        model = Eagle3Draft(cfg)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
 def save_draft(folder: str | os.PathLike, cfg: DraftConfig, state: dict[str, torch.Tensor], run_info: dict[str, Any],
                include_embedding: bool = False) -> Path:
     """Write a vLLM-ready folder atomically from ``cfg`` and a draft state dict (``Eagle3Draft.state_dict()``);

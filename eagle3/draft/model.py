@@ -50,7 +50,10 @@ from torch import nn
 
 from eagle3.support.verifier import VerifierSpec, load_verifier_head
 
-ARCHITECTURE = "LlamaForCausalLMEagle3"
+ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")  # vLLM maps both to Eagle3LlamaForCausalLM;
+ARCHITECTURE = ARCHITECTURES[0]  # the one this project writes
+# config options vLLM implements but this model (hence training and the offline reference) does not
+UNSUPPORTED_OPTIONS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
 class DraftConfigError(ValueError):
@@ -202,11 +205,11 @@ class DraftConfig(BaseModel):
         """Inverse of ``to_vllm_config`` (checks the fields this implementation supports)."""
         if not isinstance(cfg, dict):
             raise DraftConfigError(f"{where}: expected a JSON object, got {type(cfg).__name__}")
-        if cfg.get("architectures") != [ARCHITECTURE] and cfg.get("architectures") != ["Eagle3LlamaForCausalLM"]:
+        if cfg.get("architectures") not in ([a] for a in ARCHITECTURES):
             raise DraftConfigError(f"{where}: architectures {cfg.get('architectures')} is not [{ARCHITECTURE!r}]")
         if cfg.get("num_hidden_layers", 1) != 1:
             raise DraftConfigError(f"{where}: num_hidden_layers {cfg['num_hidden_layers']}: only 1 is supported")
-        for key in ("norm_before_fc", "fc_norm", "norm_output"):
+        for key in UNSUPPORTED_OPTIONS:
             if cfg.get(key) or (cfg.get("eagle_config") or {}).get(key):
                 raise DraftConfigError(f"{where}: option {key} is not supported by eagle3.draft.model")
         aux = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
@@ -411,15 +414,6 @@ class Eagle3Draft(nn.Module):
             draft.d2t.copy_(d2t)
             draft.t2d.copy_(t2d)
         return draft
-
-    @classmethod
-    def from_checkpoint(cls, path: str | Path, verifier_path: str | Path | None = None,
-                        device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Eagle3Draft:
-        """Load a checkpoint folder (config.json + model.safetensors). Without ``embed_tokens`` in the file, the
-        embedding is read from ``verifier_path`` (default: the verifier named in the folder's eagle3_run.json)."""
-        from eagle3.draft.checkpoint import load_draft
-
-        return load_draft(path, verifier_path=verifier_path, device=device, dtype=dtype)
 
     # --- serving computation ------------------------------------------------------------------------------------
 

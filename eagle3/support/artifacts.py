@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 from typing_extensions import Self
@@ -22,6 +22,7 @@ from typing_extensions import Self
 from eagle3.support.io import atomic_write_json
 
 ARTIFACT_FILE = "artifact.json"
+A = TypeVar("A", bound="Artifact")
 
 
 class Artifact(BaseModel):
@@ -31,6 +32,8 @@ class Artifact(BaseModel):
 
     out_dir: str = Field(description="The stage's output folder.")
     fingerprint: str = Field(description="sha256 over the content this stage wrote: what downstream cache keys read.")
+    producer: str | None = Field(None, description="Who produced it (the orchestrator's run, when the pipeline "
+                                 "ran the stage); not part of any key.")
 
     def outputs(self) -> list[str]:
         """Files and folders that must exist for this artifact to be reused (a cached result whose outputs were
@@ -50,6 +53,13 @@ class Artifact(BaseModel):
             return cls.model_validate(json.loads(path.read_text()))
         except (OSError, ValueError) as e:
             raise ValueError(f"{path}: not a readable {cls.__name__} artifact ({e})") from None
+
+
+def with_producer(artifact: A, producer: str) -> A:
+    """The artifact stamped with its producer, re-saved (artifact.json says which run made the folder)."""
+    stamped = artifact.model_copy(update={"producer": producer})
+    stamped.save()
+    return stamped
 
 
 def identity(value: Any) -> Any:

@@ -1,13 +1,18 @@
-"""Where the separate vLLM interpreter lives (see scripts/setup_envs.sh for why vLLM has its own environment)."""
+"""Where things live: the checkout (presets, bundled models and data), and the separate vLLM interpreter (see
+scripts/setup_envs.sh for why vLLM has its own environment)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+# The folder holding the `eagle3` package: the checkout when run from one (what presets, bundled models and data
+# are relative to); site-packages when the library is installed elsewhere (then nothing below exists there).
 REPO_ROOT = Path(__file__).resolve().parents[2]
+PREFECT_YAML = REPO_ROOT / "prefect.yaml"  # the presets (definitions.presets) and deployments
 BUNDLED_VERIFIER = REPO_ROOT / "models" / "tiny-chat-verifier"
 BUNDLED_DATA = REPO_ROOT / "data" / "stdlib-chat"
+MODELS_DIR = REPO_ROOT / "models"  # bundled and setup-converted verifiers (models/smollm2-135m-instruct: git-ignored)
 VLLM_PYTHON_ENV = "EAGLE3_VLLM_PYTHON"
 
 
@@ -35,7 +40,8 @@ def vllm_python(explicit: str | None = None) -> str:
 def vllm_subprocess_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for a vLLM subprocess: the checkout on PYTHONPATH so it can import `eagle3` helpers."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
+    if PREFECT_YAML.is_file():  # a checkout: the vLLM interpreter imports eagle3 from it (installed: from its own env)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     if extra:

@@ -175,19 +175,21 @@ def run_subprocess(
     cwd: str | os.PathLike | None = None,
     logger: logging.Logger | None = None,
     grace_s: float = 5.0,
+    pass_fds: Sequence[int] = (),
 ) -> SubprocessResult:
     """Run ``cmd`` (list of str) in its own process group; stream its output lines to ``logger`` (INFO).
 
     ``timeout_s``: wall-clock seconds before the group is killed (None: no limit); the result then has
     ``timed_out=True``. Any exception while waiting (KeyboardInterrupt, a cancelled task) kills the group and is
-    re-raised. Call ``.check()`` on the result to turn a failure into ``SubprocessFailed``.
+    re-raised. Call ``.check()`` on the result to turn a failure into ``SubprocessFailed``. ``pass_fds`` (e.g. the
+    GPU lock's descriptors) stay open in the guard for as long as the group lives.
     """
     logger = logger or log
     args = [str(a) for a in cmd]
     tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
     start = time.monotonic()
     proc = popen_guarded(args, env=dict(env) if env is not None else None, cwd=cwd, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, bufsize=1, text=True, errors="replace")
+                         stderr=subprocess.STDOUT, bufsize=1, text=True, errors="replace", pass_fds=tuple(pass_fds))
 
     def pump() -> None:
         assert proc.stdout is not None

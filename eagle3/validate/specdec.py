@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3.draft.checkpoint import load_draft
 from eagle3.draft.model import Eagle3Draft
 from eagle3.validate.vllm_check import (
     AcceptanceStats,
@@ -157,7 +158,7 @@ def _offline_acceptance(verifier_path, draft_dir, prompts_path, num_prompts: int
     prompts = prompt_token_ids(tokenizer, read_prompt_messages(prompts_path, num_prompts))
     stops = set(stop_token_ids(verifier_path, tokenizer))
     verifier = load_verifier(verifier_path)
-    draft = Eagle3Draft.from_checkpoint(Path(draft_dir), verifier_path=verifier_path).eval()
+    draft = load_draft(Path(draft_dir), verifier_path=verifier_path).eval()
     stats = AcceptanceStats(num_speculative_tokens)
     outputs = []
     for prompt in prompts:

@@ -1,0 +1,54 @@
+"""Settings of the validate stage (structural check, vLLM run, offline parity, verdict)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ValidateConfig(BaseModel):
+    """Settings of the validation stage (structural check, vLLM run, offline parity, verdict)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompts_path: str = Field(
+        "data/stdlib-chat/eval.openai.jsonl", description="Held-out chat conversations (OpenAI or ShareGPT jsonl); "
+        "the first user turn of each (after its system message) is the prompt. Relative paths: to the checkout.")
+    num_prompts: int = Field(8, gt=0, description="Prompts to generate on, in conversations (the first N of the file).")
+    max_new_tokens: int = Field(64, gt=0, description="Generation budget per prompt, in tokens.")
+    num_speculative_tokens: int = Field(
+        3, gt=0, description="Draft tokens proposed per verifier step (vLLM num_speculative_tokens), in tokens.")
+    tensor_parallel_size: int = Field(1, gt=0, description="vLLM tensor parallel size, in devices (Kimi-K2.5: 8).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype vLLM runs the verifier and draft in; float32 on CPU, bfloat16 on GPUs.")
+    max_model_len: int | None = Field(
+        None, gt=0, description="vLLM max_model_len in tokens (None: the verifier's max_position_embeddings).")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="vLLM gpu_memory_utilization as a fraction of device memory (None: vLLM's "
+        "default, 0.9). Ignored on CPU (VLLM_CPU_KVCACHE_SPACE, GiB, sets the KV cache there).")
+    enforce_eager: bool = Field(True, description="vLLM enforce_eager: no CUDA graphs / torch.compile (faster start).")
+    engine_in_process: bool = Field(
+        True, description="Run vLLM's engine core in the check's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0): "
+        "one interpreter start less, ~10 s on CPU.")
+    trust_remote_code: bool = Field(False, description="Let transformers/vLLM run the verifier's own Python code "
+                                    "(Kimi-K2.5's tokenizer needs it).")
+    timeout_s: float = Field(1800.0, gt=0, description="Wall-clock limit of the vLLM subprocess, in seconds; its "
+                             "whole process group is killed past it.")
+    vllm_python: str | None = Field(
+        None, description="Interpreter of the vLLM environment (None: $EAGLE3_VLLM_PYTHON, else .venv-vllm).")
+    run_vllm: bool = Field(True, description="Run the vLLM check (false: structural check only; verdict then says so).")
+    require_lossless: bool = Field(True, description="Fail when speculative and plain greedy outputs differ.")
+    min_mean_acceptance_length: float | None = Field(
+        None, ge=1, description="Fail below this vLLM mean acceptance length (tokens per verifier step); None: no "
+        "threshold.")
+    compare_untrained: bool = Field(
+        False, description="Also run an UNTRAINED draft (same config, vocab mapping and init as the trainer's step 0) "
+        "in the same vLLM process and report its acceptance beside the trained one's; fails the verdict when "
+        "training gained nothing. Costs one more engine start (a verifier load: ~22 min for Kimi-K2.5).")
+    offline_reference: bool = Field(
+        False, description="Also run the offline reference (transformers verifier + our draft, eagle3.validate.specdec) on "
+        "the same prompts and compare. Needs the verifier to fit in this process: tiny verifiers only.")
+    parity_tolerance: float = Field(
+        0.10, gt=0, description="Largest relative difference between offline and vLLM mean acceptance length "
+        "(fraction, 0.10 = 10%).")

@@ -1,0 +1,88 @@
+"""The validation report: report.json, report.md (markdown tables) and acceptance.png."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from eagle3.support.io import atomic_write_json, atomic_write_text
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    if isinstance(v, float):
+        return "n/a" if math.isnan(v) else f"{v:.{digits}f}"
+    return str(v)
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    s = report.get("structural", {})
+    lines = [f"# EAGLE-3 draft validation: **{report['verdict'].upper()}**", "",
+             f"- draft: `{report['draft_dir']}`", f"- verifier: `{report['verifier_path']}`",
+             f"- prompts: `{report.get('prompts_path')}`", ""]
+    if report["reasons"]:
+        lines += ["## Reasons", ""] + [f"- {r}" for r in report["reasons"]] + [""]
+    lines += ["## Checkpoint contract", "", "| check | result |", "|---|---|",
+              f"| structural | {'ok' if s.get('ok') else 'FAILED (' + str(len(s.get('failures', []))) + ')'} |"]
+    for key in ("aux_layer_ids", "hidden_size", "vocab_size", "draft_vocab_size", "dtype", "num_parameters",
+                "embed_tokens_in_checkpoint"):
+        if key in s.get("summary", {}):
+            lines.append(f"| {key} | {s['summary'][key]} |")
+    for f in s.get("failures", []):
+        lines.append(f"| `{f['code']}` | {f['message'].replace('|', '/')} |")
+    for f in s.get("warnings", []):
+        lines.append(f"| warning `{f['code']}` | {f['message'].replace('|', '/')} |")
+    lines.append("")
+    v = report.get("vllm", {})
+    acc = v.get("acceptance")
+    off = (report.get("offline") or {}).get("acceptance")
+    unt = (v.get("untrained") or {}).get("acceptance")
+    if acc:
+        st = report["settings"]
+        cols = [("vLLM", acc)] + ([("vLLM, untrained draft", unt)] if unt else []) + (
+            [("offline reference", off)] if off else [])
+        lines += ["## Speculative decoding", "",
+                  (f"{v.get('num_prompts')} prompts, {st['max_new_tokens']} new tokens max, "
+                   f"{st['num_speculative_tokens']} speculative tokens, temperature 0, vLLM {v.get('vllm_version')}."),
+                  "", "| figure | " + " | ".join(c for c, _ in cols) + " |", "|---|" + "---|" * len(cols)]
+
+        def row(name: str, get) -> str:
+            return f"| {name} | " + " | ".join(_fmt(get(a)) for _, a in cols) + " |"
+
+        lines.append(row("mean acceptance length", lambda a: a["mean_acceptance_length"]))
+        for i in range(len(acc["per_position_acceptance"])):
+            lines.append(row(f"acceptance at position {i + 1}", lambda a, i=i: a["per_position_acceptance"][i]))
+        lines.append(row("drafts (verifier steps)", lambda a: a["num_drafts"]))
+        lines.append(row("accepted / draft tokens",
+                         lambda a: f"{a['num_accepted_tokens']} / {a['num_draft_tokens']}"))
+        lossless = "yes" if v.get("lossless") else "NO"
+        lines += ["", f"- lossless (speculative output identical to plain greedy): {lossless}"]
+        if off:
+            lines.append(f"- offline vs vLLM mean acceptance length: "
+                         f"{_fmt(report['offline'].get('relative_difference'))} relative difference")
+        lines += ["", "![per-position acceptance](acceptance.png)", ""]
+    elif v:
+        lines += ["## Speculative decoding", "", f"not run: {v.get('skipped') or v.get('error', '')[:2000]}", ""]
+    return "\n".join(lines)
+
+
+def write_report(out_dir: str | os.PathLike, report: dict[str, Any]) -> dict[str, str]:
+    """report.json + report.md + acceptance.png (when vLLM measured acceptance) in ``out_dir``; returns the paths."""
+    from eagle3.support.plot import bar_chart
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"report_json": str(out_dir / "report.json"), "report_md": str(out_dir / "report.md")}
+    acc = (report.get("vllm") or {}).get("acceptance")
+    if acc:
+        k = len(acc["per_position_acceptance"])
+        bar_chart(out_dir / "acceptance.png", [f"pos {i + 1}" for i in range(k)],
+                  [float(r) for r in acc["per_position_acceptance"]],
+                  title=f"vLLM acceptance per draft position (mean length {_fmt(acc['mean_acceptance_length'], 2)})",
+                  ylabel="acceptance rate")
+        paths["acceptance_png"] = str(out_dir / "acceptance.png")
+    report = {**report, "paths": paths}
+    atomic_write_text(out_dir / "report.md", render_markdown(report) + "\n")
+    atomic_write_json(out_dir / "report.json", report)
+    return paths
