@@ -110,8 +110,8 @@ class PrepareConfig(BaseModel):
         description=(
             "Conversation sources, read in this order: local .json/.jsonl/.parquet files or folders of them "
             "(recursive, sorted), fsspec URLs (memory://, file://, s3://, ...), or Hugging Face datasets "
-            "loaded with datasets.load_dataset, written 'hf:<id or local path>[:split]' (a bare 'org/name' that "
-            "is not a local path is read as a dataset id too)."
+            "loaded with datasets.load_dataset, written 'hf:' + a dataset id or local path, optionally followed by "
+            "':' + a split (a bare 'org/name' that is not a local path is read as a dataset id too)."
         ),
     )
     hf_split: str = Field("train", description="Split of a Hugging Face dataset source that names none.")

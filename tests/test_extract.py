@@ -251,19 +251,26 @@ def test_bad_input_one_clear_error_each(tiny_llama_verifier, tmp_path):
         assert not (tmp_path / d / MANIFEST).exists()
 
 
-def test_task_manifest_and_shards_share_one_store(tiny_llama_verifier, tmp_path):
+def test_task_artifact_and_shards_share_one_store(tiny_llama_verifier, tmp_path):
     from eagle3.extract.config import ExtractConfig
+    from eagle3.prepare import PreparedData
     from eagle3.support.io import sha256_file
-    from tasks.common import manifest_ok
+    from eagle3.support.verifier import describe_verifier
+    from tasks.common import reusable
     from tasks.extract import extract_hidden_states_task
 
     ds = make_dataset(tmp_path / "ds", LENGTHS, 8192, seed=6)
-    inputs, data = {"fingerprint": "i" * 64}, {"fingerprint": "d" * 64, "dataset_path": str(ds)}
+    prepared = PreparedData(out_dir=str(tmp_path), fingerprint="d" * 64, dataset_path=str(ds),
+                            stats_path=str(ds / "state.json"), max_seq_len=64, rows_read=10, samples=10,
+                            rows_skipped=0, rows_skipped_by_reason={}, samples_truncated=0,
+                            total_tokens=sum(LENGTHS), assistant_tokens=0, elapsed_s=0.0)
+    verifier, plan = describe_verifier(tiny_llama_verifier), None
     first = ExtractConfig.model_validate(_cfg(tiny_llama_verifier, tmp_path, shard_end=4))
     second = first.model_copy(update={"shard_start": 4, "shard_end": None, "max_tokens_per_batch": 128})
-    a = extract_hidden_states_task.fn(first, inputs, data, str(tmp_path / "run"))
-    b = extract_hidden_states_task.fn(second, inputs, data, str(tmp_path / "run"))
-    assert a["store_path"] == b["store_path"] and manifest_ok(b) and len(json.dumps(b)) < 20_000
-    assert (a["samples_written"], b["samples_written"], b["samples_stored"]) == (4, 6, len(LENGTHS))
-    assert b["tokens"] == sum(LENGTHS) and b["manifest_sha256"] == sha256_file(b["paths"]["manifest"])
-    assert b["fingerprint"] != a["fingerprint"] and b["bytes_on_disk"] > 0 and b["tokens_per_second"] > 0
+    a = extract_hidden_states_task.fn(first, verifier, prepared, plan, str(tmp_path / "run"))
+    b = extract_hidden_states_task.fn(second, verifier, prepared, plan, str(tmp_path / "run"))
+    assert a.store_path == b.store_path and reusable(b) and len(b.model_dump_json()) < 20_000
+    assert (a.samples_written, b.samples_written, b.samples_stored) == (4, 6, len(LENGTHS))
+    assert b.store_tokens == sum(LENGTHS) and b.manifest_sha256 == sha256_file(Path(b.store_path) / MANIFEST)
+    assert b.fingerprint != a.fingerprint and b.bytes_on_disk > 0 and b.tokens_per_second > 0
+    assert b.verifier == verifier and b.aux_layer_ids == [1, 2] and b.store_dtype == "float32"  # default ids

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 import yaml
 from conftest import BUNDLED_DATA, REPO
 
-from eagle3.config import PipelineConfig, load_config, parse_set, preset_names
+from eagle3.config import ConfigError, PipelineConfig, apply_overrides, load_config, parse_set, preset_names
 
 STAGES = ["prepare-data", "plan-capacity", "extract-hidden-states", "build-vocab", "train-draft", "validate-draft"]
 
@@ -31,14 +32,23 @@ def harness(tmp_path_factory):
     mp.undo()
 
 
-def _states(flow_state) -> dict[str, str]:
-    """stage name -> state name of the flow run's task runs, read back through the API."""
+def _states(flow_state, deadline_s: float = 60.0) -> dict[str, str]:
+    """stage name -> final state name of the flow run's task runs, read back through the API. The server records
+    task-run states asynchronously: wait (with a deadline) until every stage has reached a final state."""
+    import time
+
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+    flt = FlowRunFilter(id=FlowRunFilterId(any_=[flow_state.state_details.flow_run_id]))
+    deadline = time.monotonic() + deadline_s
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_state.state_details.flow_run_id])))
-    return {tr.name.rsplit("-", 1)[0]: tr.state.name for tr in runs}
+        while True:
+            runs = client.read_task_runs(flow_run_filter=flt)
+            states = {tr.name.rsplit("-", 1)[0]: tr.state for tr in runs if tr.state is not None}
+            if all(s in states and states[s].is_final() for s in STAGES) or time.monotonic() > deadline:
+                return {name: state.name for name, state in states.items()}
+            time.sleep(0.2)
 
 
 def test_flow_caches_by_content(harness, tiny_llama_verifier, tmp_path):
@@ -55,7 +65,7 @@ def test_flow_caches_by_content(harness, tiny_llama_verifier, tmp_path):
                          "min_mean_acceptance_length": None, "prompts_path": str(prompts)}}
 
     def run(overrides=None):
-        state = eagle3_pipeline(load_config("tiny", {**base, **(overrides or {})}), return_state=True)
+        state = eagle3_pipeline(load_config("tiny", base), overrides=overrides, return_state=True)
         assert state.is_completed(), state
         return _states(state), state.result()
 
@@ -68,7 +78,7 @@ def test_flow_caches_by_content(harness, tiny_llama_verifier, tmp_path):
     assert all(again[s] == "Cached" for s in STAGES), again
     assert result2 == result
 
-    lr, _ = run({"train": {"epochs": 1, "batch_size": 4, "lr": 1e-3}})
+    lr, _ = run({"train.lr": 1e-3})  # a one-setting override
     assert [lr[s] for s in STAGES] == ["Cached"] * 4 + ["Completed"] * 2, lr
 
     prompts.write_text("\n".join(prompts.read_text().splitlines()[::-1]) + "\n")  # same path, new content
@@ -84,7 +94,7 @@ def test_flow_caches_by_content(harness, tiny_llama_verifier, tmp_path):
     # outputs deleted behind the cache's back are recomputed, not returned stale
     shutil.rmtree(Path(result["run_dir"]))
     data.write_text(data.read_text())
-    _, result3 = run({"data": {"sources": [str(data)], "max_samples": 24}})
+    _, result3 = run()
     assert Path(result3["checkpoint"], "config.json").is_file()
 
 
@@ -95,6 +105,7 @@ def test_presets_and_prefect_yaml_deployments_load():
         PipelineConfig.model_validate(load_config(name).model_dump(by_alias=True))
     kimi = load_config("kimi-k2.5")
     assert kimi.extract_config().aux_layer_ids == [2, 30, 58]
+    assert kimi.host.gpu_concurrency_limit == "gpu-host-gpus" and kimi.host.strict
     assert kimi.vocab.draft_vocab_size == 32000 and kimi.max_seq_len == 2048
     assert kimi.data.max_samples == 1000 and "open-perfectblend" in kimi.data.sources[0]
     assert kimi.train.epochs == 10 and kimi.train.lr == 3e-5 and kimi.train.schedule == "cosine"
@@ -111,19 +122,51 @@ def test_presets_and_prefect_yaml_deployments_load():
         assert set(params) <= set(inspect.signature(flow.fn).parameters), dep["name"]
         PipelineConfig.model_validate(params["config"])
         assert dep["work_pool"]["name"] == "gpu-host"
+        # every deployment, the tiny CPU smoke test too, occupies the host's GPU slots
+        assert params["config"]["host"]["gpu_concurrency_limit"] == "gpu-host-gpus", dep["name"]
 
 
-def test_cli_overrides_parse():
-    assert parse_set(["train.epochs=2", "data.sources=[a.jsonl]", "run_name=x"]) == {
-        "train": {"epochs": 2}, "data": {"sources": ["a.jsonl"]}, "run_name": "x"}
+def test_cli_overrides_parse_and_merge():
+    assert parse_set(["train.epochs=2", 'data.sources=["a.jsonl"]', "run_name=x"]) == {
+        "train.epochs": 2, "data.sources": ["a.jsonl"], "run_name": "x"}
     with pytest.raises(ValueError, match="dotted.key=value"):
         parse_set(["train.epochs"])
-    with pytest.raises(ValueError, match="unknown preset"):
+    with pytest.raises(ConfigError, match="unknown preset"):
         load_config("nope")
+    merged = apply_overrides({"train": {"epochs": 3, "lr": 1.0}}, {"train.epochs": 1, "vocab": {"draft_vocab_size": 8}})
+    assert merged == {"train": {"epochs": 1, "lr": 1.0}, "vocab": {"draft_vocab_size": 8}}
+    cfg = load_config("tiny", parse_set(["train.epochs=1", "data.max_samples=20"]))  # "1" -> int by pydantic
+    assert cfg.train.epochs == 1 and cfg.data.max_samples == 20 and cfg.train.lr == load_config("tiny").train.lr
+    with pytest.raises(ConfigError, match="train.nope"):
+        load_config("tiny", {"train.nope": 1})
+    with pytest.raises(ConfigError, match="train.epochs"):
+        load_config("tiny", {"train.epochs": "many"})
+
+
+def test_cli_runs_through_pydantic_settings(capsys):
+    """The CLI's --help comes from the settings model (descriptions included); a bad preset is one clear line."""
+    from flows.eagle3_pipeline import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--preset" in out and "--set" in out and "dotted key" in out
+    with pytest.raises(SystemExit, match="unknown preset 'nope'"):
+        main(["--preset", "nope"])
+
+
+def test_pipeline_form_hides_fields_the_pipeline_fills_and_keeps_angle_brackets():
+    from flows.eagle3_pipeline import eagle3_pipeline
+
+    schema = json.dumps(eagle3_pipeline.parameters.model_dump())
+    assert "Set from the pipeline" not in schema  # data.tokenizer_path / max_seq_len, extract.verifier: hidden
+    descriptions = re.findall(r'"description": "((?:[^"\\]|\\.)*)"', schema)
+    assert len(descriptions) > 50 and not [d for d in descriptions if "<" in d]  # the UI drops text in <...>
 
 
 def test_bad_pipeline_config_names_the_field():
-    with pytest.raises(ValueError, match="train.max_seq_len"):
+    with pytest.raises(ConfigError, match="train.max_seq_len"):
         load_config("tiny", {"train": {"max_seq_len": 64}})
     with pytest.raises(ValueError, match="not_a_field"):
         load_config("tiny", {"extract": {"not_a_field": 1}})

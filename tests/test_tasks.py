@@ -1,5 +1,6 @@
 """The stage tasks' bodies (``task.fn``, no Prefect server) and the Prefect glue: content cache keys, per-stage
-folders, manifests, OOM-only retries."""
+folders, typed artifacts, OOM-only retries; plus the regressions of the two planning bugs the contract owners
+removed (capacity and extraction disagreeing on the store dtype and on the default aux layers)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ from pathlib import Path
 import pytest
 from conftest import BUNDLED_DATA
 
+from eagle3.capacity import CapacityPlan
 from eagle3.config import load_config
+from eagle3.prepare import PreparedData
+from eagle3.support.gpu import OutOfMemoryAfterRetries, is_oom_error
+from eagle3.vocab import VocabMapping
 from tasks.capacity import plan_capacity_task
-from tasks.common import describe_inputs, is_oom_exception, manifest_ok, stage_dir, stage_key
-from tasks.prepare import prepare_data
+from tasks.common import describe_sources_task, describe_verifier_task, reusable, stage_dir, stage_key
+from tasks.prepare import prepare_data_task
 from tasks.vocab import build_vocab_task
 
 
@@ -22,60 +27,68 @@ def front(tiny_llama_verifier, tmp_path_factory):
     cfg = load_config("tiny", {"verifier_path": str(tiny_llama_verifier),
                                "data": {"sources": [str(BUNDLED_DATA / "eval.openai.jsonl")], "max_samples": 24},
                                "vocab": {"draft_vocab_size": 256}})
-    inputs = describe_inputs.fn(cfg.verifier, cfg.sources)
-    data = prepare_data.fn(cfg.prepare_config(), inputs, run_dir)
-    return cfg, inputs, data, run_dir
+    verifier = describe_verifier_task.fn(cfg.verifier)
+    sources = describe_sources_task.fn(cfg.sources)
+    prepared = prepare_data_task.fn(cfg.prepare_config(), sources, verifier, run_dir)
+    return cfg, verifier, prepared, run_dir
 
 
-def test_manifests_are_small_json_with_existing_paths_and_fingerprints(front):
-    cfg, inputs, data, run_dir = front
-    plan = plan_capacity_task.fn(cfg.capacity_config(), cfg.extract_config(), inputs, data, run_dir)
-    vocab = build_vocab_task.fn(cfg.vocab, inputs, data, run_dir)
-    for m in (data, plan, vocab):
-        assert manifest_ok(m), m
-        assert len(m["fingerprint"]) == 64
-        assert len(json.dumps(m)) < 20_000
-        assert Path(m["out_dir"]).parent == Path(run_dir)
-    assert data["samples_kept"] == 24
+def test_stage_tasks_return_small_typed_artifacts_with_existing_outputs(front):
+    cfg, verifier, prepared, run_dir = front
+    plan = plan_capacity_task.fn(cfg.capacity, cfg.extract_config(), verifier, prepared, run_dir)
+    vocab = build_vocab_task.fn(cfg.vocab, verifier, prepared, run_dir)
+    for a, kind in ((prepared, PreparedData), (plan, CapacityPlan), (vocab, VocabMapping)):
+        assert isinstance(a, kind) and reusable(a), a
+        assert len(a.fingerprint) == 64 and len(a.model_dump_json()) < 20_000
+        assert Path(a.out_dir).parent == Path(run_dir)
+        assert kind.load(a.out_dir) == a  # artifact.json in the stage folder says what it holds
+    assert prepared.samples == 24
     # tiny verifier in conftest: hidden 64; tiny preset stores float32 aux [1, 2, 3] + final
-    assert plan["bytes_per_token"] == 4 * 64 * 4
-    assert plan["total_tokens"] == data["total_tokens"]
-    assert vocab["draft_vocab_size"] == 256 and 0 < vocab["coverage"] <= 1
+    assert plan.bytes_per_token == 4 * 64 * 4 and plan.aux_layer_ids == [1, 2, 3] and plan.store_dtype == "float32"
+    assert json.loads(Path(plan.plan_path).read_text())["total_tokens"] == prepared.total_tokens
+    assert vocab.draft_vocab_size == 256 and 0 < vocab.coverage <= 1
 
 
 def test_stage_folder_and_key_follow_content_not_paths(front):
-    cfg, inputs, data, run_dir = front
-    base = {"cfg": cfg.vocab, "inputs": inputs, "data": data, "run_dir": run_dir}
-    same = {**base, "data": {**data, "out_dir": "/elsewhere"}}  # a manifest is keyed by its fingerprint alone
+    cfg, verifier, prepared, run_dir = front
+    base = {"cfg": cfg.vocab, "verifier": verifier, "prepared": prepared, "run_dir": run_dir}
+    same = {**base, "prepared": prepared.model_copy(update={"out_dir": "/elsewhere"})}  # keyed by identity alone
     other_cfg = {**base, "cfg": cfg.vocab.model_copy(update={"draft_vocab_size": 512})}
-    other_data = {**base, "data": {**data, "fingerprint": "0" * 64}}
+    other_data = {**base, "prepared": prepared.model_copy(update={"fingerprint": "0" * 64})}
+    other_verifier = {**base, "verifier": verifier.model_copy(update={"fingerprint": "1" * 64})}
     assert stage_key("build-vocab", base) == stage_key("build-vocab", same)
-    assert stage_key("build-vocab", base) != stage_key("build-vocab", other_cfg)
-    assert stage_key("build-vocab", base) != stage_key("build-vocab", other_data)
+    assert len({stage_key("build-vocab", x) for x in (base, other_cfg, other_data, other_verifier)}) == 4
     assert stage_dir(run_dir, "build-vocab", base) != stage_dir(run_dir, "build-vocab", other_cfg)
-    # extraction shards of one dataset share one store folder but not one cache entry
-    ex = {"cfg": cfg.extract_config(), "inputs": inputs, "data": data, "run_dir": run_dir}
+    # extraction shards of one dataset share one store folder but not one cache entry (shard range: RESUMABLE);
+    # batch settings change neither (RUNTIME)
+    ex = {"cfg": cfg.extract_config(), "verifier": verifier, "prepared": prepared, "run_dir": run_dir}
     shard = {**ex, "cfg": cfg.extract_config().model_copy(update={"shard_start": 10})}
-    ignore = ("shard_start", "shard_end")
-    assert stage_dir(run_dir, "x", ex, ignore) == stage_dir(run_dir, "x", shard, ignore)
-    assert stage_key("x", ex) != stage_key("x", shard)
+    batch = {**ex, "cfg": cfg.extract_config().model_copy(update={"max_tokens_per_batch": 128})}
+    dtype = {**ex, "cfg": cfg.extract_config().model_copy(update={"store_dtype": "bfloat16"})}
+    assert stage_dir(run_dir, "x", ex) == stage_dir(run_dir, "x", shard) == stage_dir(run_dir, "x", batch)
+    assert stage_key("x", ex) != stage_key("x", shard) and stage_key("x", ex) == stage_key("x", batch)
+    assert stage_dir(run_dir, "x", ex) != stage_dir(run_dir, "x", dtype)
+    # the host config (slots, locks) never changes a key
+    host = load_config("tiny", {"host": {"gpu_concurrency_limit": "x", "lock_wait_seconds": 5}}).host
+    assert stage_key("x", {**ex, "host": host}) == stage_key("x", {**ex, "host": cfg.host})
 
 
-def test_inputs_fingerprint_changes_with_dataset_content(tmp_path, tiny_llama_verifier):
+def test_sources_fingerprint_follows_dataset_content(tmp_path, tiny_llama_verifier):
     src = tmp_path / "chats.jsonl"
     src.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
-    a = describe_inputs.fn(str(tiny_llama_verifier), [str(src)])
+    a = describe_sources_task.fn([str(src)])
     src.write_text(src.read_text().replace("yo", "hello"))
-    b = describe_inputs.fn(str(tiny_llama_verifier), [str(src)])
-    assert a["verifier_fingerprint"] == b["verifier_fingerprint"]
-    assert a["fingerprint"] != b["fingerprint"]
+    b = describe_sources_task.fn([str(src)])
+    assert a.fingerprint != b.fingerprint
+    v1, v2 = describe_verifier_task.fn(str(tiny_llama_verifier)), describe_verifier_task.fn(str(tiny_llama_verifier))
+    assert v1 == v2
 
 
-def test_deleted_outputs_invalidate_a_manifest(tmp_path):
-    (tmp_path / "f").write_text("x")
-    assert manifest_ok({"paths": {"f": str(tmp_path / "f")}})
-    assert not manifest_ok({"paths": {"f": str(tmp_path / "gone")}})
-    assert not manifest_ok(None)
+def test_deleted_outputs_make_an_artifact_unusable(front):
+    _, _, prepared, _ = front
+    assert reusable(prepared)
+    assert not reusable(prepared.model_copy(update={"stats_path": str(Path(prepared.out_dir) / "gone.json")}))
+    assert not reusable(None)
 
 
 def test_oom_classification_for_retries():
@@ -85,10 +98,44 @@ def test_oom_classification_for_retries():
         except RuntimeError as inner:
             raise ValueError("extraction failed") from inner
     except ValueError as exc:
-        assert is_oom_exception(exc)
-    assert is_oom_exception(MemoryError())
-    assert not is_oom_exception(ValueError("aux_layer_ids [99] out of range"))
-    assert not is_oom_exception(FileNotFoundError("verifier config not found"))
-    from eagle3.support.gpu import OutOfMemoryAfterRetries
+        assert is_oom_error(exc)
+    assert is_oom_error(MemoryError())
+    assert not is_oom_error(ValueError("aux_layer_ids [99] out of range"))
+    assert not is_oom_error(FileNotFoundError("verifier config not found"))
+    assert not is_oom_error(OutOfMemoryAfterRetries("sample 7 does not fit at the floor: out of memory"))
 
-    assert not is_oom_exception(OutOfMemoryAfterRetries("sample 7 does not fit at the floor: out of memory"))
+
+def test_capacity_plans_the_dtype_extraction_writes(front, bundled_verifier, tmp_path):
+    """Regression (a): ``store_dtype: model`` with ``dtype: float32`` on the bf16 bundled verifier: the plan used
+    to assume bfloat16 while extraction wrote float32 (a disk plan 2x too small). Both now resolve through
+    ``ExtractConfig.resolved_dtypes``, and the plan equals the bytes extraction writes."""
+    from eagle3.extract.stage import extract_hidden_states
+    from eagle3.extract.store import HiddenStateStore
+
+    cfg = load_config("tiny", {"extract": {"store_dtype": "model", "dtype": "float32", "device": "cpu"},
+                               "data": {"sources": [str(BUNDLED_DATA / "eval.openai.jsonl")], "max_samples": 6}})
+    verifier = describe_verifier_task.fn(cfg.verifier)
+    assert verifier.spec().dtype == "bfloat16"
+    prepared = prepare_data_task.fn(cfg.prepare_config(), describe_sources_task.fn(cfg.sources), verifier,
+                                    str(tmp_path))
+    plan = plan_capacity_task.fn(cfg.capacity, cfg.extract_config(), verifier, prepared, str(tmp_path))
+    assert plan.store_dtype == "float32" and plan.bytes_per_token == 4 * 256 * 4
+    store = extract_hidden_states(cfg.extract_config(), prepared, tmp_path / "store", verifier=verifier)
+    assert HiddenStateStore(store.store_path).meta["dtype"] == "float32" == store.store_dtype
+    files = sum(Path(f).stat().st_size for f in Path(store.store_path).rglob("sample_*.safetensors"))
+    assert files == plan.total_bytes
+
+
+def test_capacity_plans_the_aux_layers_extraction_stores(front, tiny_llama_verifier, tmp_path):
+    """Regression (b): ``aux_layer_ids`` unset on a 4-layer verifier: capacity planned [2, 2, 1] (3 aux states per
+    token), extraction stored [1, 2]. One rule (VerifierSpec.resolve_aux_layer_ids: vLLM's default, deduplicated
+    and ascending; vLLM convention) now serves both."""
+    from eagle3.extract.stage import extract_hidden_states
+
+    cfg, verifier, prepared, run_dir = front
+    extract = cfg.extract_config().model_copy(update={"aux_layer_ids": None})
+    plan = plan_capacity_task.fn(cfg.capacity, extract, verifier, prepared, run_dir)
+    store = extract_hidden_states(extract.model_copy(update={"shard_end": 2}), prepared, tmp_path / "store",
+                                  verifier=verifier)
+    assert plan.aux_layer_ids == store.aux_layer_ids == [1, 2]
+    assert plan.bytes_per_token == (2 + 1) * 64 * 4

@@ -161,21 +161,26 @@ def test_bad_input_one_clear_error_each(random_store, tiny_llama_verifier, tmp_p
     assert not (tmp_path / "o1" / "checkpoints").exists()  # nothing half-written
 
 
-def test_train_task_manifest(random_store, tiny_llama_verifier, tmp_path):
+def test_train_task_returns_the_checkpoint_artifact(random_store, tiny_llama_verifier, tmp_path):
+    from eagle3.extract.stage import HiddenStates
+    from eagle3.train.stage import DraftCheckpoint
+    from eagle3.vocab import VocabMapping
+    from tasks.common import reusable
     from tasks.train import train_draft_task
 
     store, vocab = random_store
+    store_artifact = HiddenStates.load(store.parent)  # what the extraction stage wrote beside its store
+    vocab_artifact = VocabMapping.load(vocab.parent)
     cfg = TrainConfig(epochs=1, **TINY)
-    m = train_draft_task.fn(cfg, {"verifier_path": str(tiny_llama_verifier)}, {"store_path": str(store)},
-                            {"mapping_path": str(vocab)}, str(tmp_path))
-    json.dumps(m)  # small and JSON-serialisable
-    assert Path(m["best_dir"]).is_dir() and m.weights_sha256 == sha256_file(Path(m["best_dir"]) / "model.safetensors")
-    assert all(Path(p).exists() for p in m["paths"].values()) and m["epochs_done"] == 1
-    assert m["final_metrics"]["sim_accept_len"] >= 1.0 and len(m["final_metrics"]["acc_per_step"]) == 3
+    m = train_draft_task.fn(cfg, store_artifact, vocab_artifact, str(tmp_path))
+    assert isinstance(m, DraftCheckpoint) and reusable(m) and len(m.model_dump_json()) < 20_000
+    assert m.weights_sha256 == sha256_file(Path(m.checkpoint_dir) / "model.safetensors")
+    assert m.epochs_done == 1 and m.verifier == store_artifact.verifier and m.aux_layer_ids == [1, 2, 3]
+    assert m.final_val["sim_accept_len"] >= 1.0 and len(m.final_val["acc_per_step"]) == 3
     # the same settings with another log cadence train in the same folder (and resume there)
-    again = train_draft_task.fn(cfg.model_copy(update={"log_every_steps": 5}), {"verifier_path": str(tiny_llama_verifier)},
-                                {"store_path": str(store)}, {"mapping_path": str(vocab)}, str(tmp_path))
-    assert again["out_dir"] == m["out_dir"] and again.weights_sha256 == m.weights_sha256
+    again = train_draft_task.fn(cfg.model_copy(update={"log_every_steps": 5}), store_artifact, vocab_artifact,
+                                str(tmp_path))
+    assert again.out_dir == m.out_dir and again.weights_sha256 == m.weights_sha256
 
 
 def test_worker_bad_input_reaches_the_caller(random_store, tiny_llama_verifier, tmp_path):

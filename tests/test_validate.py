@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.draft.checkpoint import save_draft
 from eagle3.draft.model import DraftConfig, Eagle3Draft
+from eagle3.support.io import sha256_file
 from eagle3.support.verifier import VerifierSpec
 from eagle3.validate.config import ValidateConfig
 from eagle3.validate.contract import validate_checkpoint
@@ -351,32 +352,59 @@ def test_validate_config_rejects_unknown_and_bad_fields():
 def test_task_structural_only_pass_and_fail(good, tiny_llama_verifier, tmp_path):
     cfg = ValidateConfig(run_vllm=False)
     m = validate_checkpoint_task.fn(cfg, str(good), str(tiny_llama_verifier), None, str(tmp_path / "ok"))
-    json.dumps(m)
-    assert m["verdict"] == "pass" and m["structural_ok"] and m["failure_codes"] == []
-    assert m["mean_acceptance_length"] is None and len(m["weights_sha256"]) == 64
-    assert set(m["paths"]) == {"report_json", "report_md"} and all(Path(p).is_file() for p in m["paths"].values())
-    assert json.loads(Path(m["paths"]["report_json"]).read_text())["vllm"] == {"skipped": "run_vllm is false"}
+    assert m.verdict == "pass" and m.structural_ok and m.failure_codes == [] and len(m.model_dump_json()) < 20_000
+    assert m.mean_acceptance_length is None and len(m.weights_sha256) == 64
+    assert m.acceptance_png is None and all(Path(p).is_file() for p in m.outputs())
+    assert m.report()["vllm"] == {"skipped": "run_vllm is false"}
 
     broken = rewrite(good, tmp_path / "broken", tensors=_drop("d2t"))
     m = validate_checkpoint_task.fn(ValidateConfig(), str(broken), str(tiny_llama_verifier), None,
                                     str(tmp_path / "bad"))
-    assert m["verdict"] == "fail" and m["failure_codes"] == ["d2t_missing"]
-    assert m["reasons"][0].startswith("[d2t_missing]")
-    report = json.loads(Path(m["paths"]["report_json"]).read_text())
-    assert report["vllm"]["skipped"] == "the checkpoint failed the structural check"  # vLLM never started
-    assert "`d2t_missing`" in Path(m["paths"]["report_md"]).read_text()
+    assert m.verdict == "fail" and m.failure_codes == ["d2t_missing"]
+    assert m.reasons[0].startswith("[d2t_missing]")
+    assert m.report()["vllm"]["skipped"] == "the checkpoint failed the structural check"  # vLLM never started
+    assert "`d2t_missing`" in Path(m.report_md).read_text()
+
+
+def _checkpoint_artifact(folder: Path, verifier: Path, weights_sha256: str):
+    from eagle3.support.verifier import describe_verifier
+    from eagle3.train.stage import DraftCheckpoint
+
+    return DraftCheckpoint(
+        out_dir=str(folder.parent), fingerprint="c" * 64, checkpoint_dir=str(folder), weights_sha256=weights_sha256,
+        config_sha256=None, verifier=describe_verifier(verifier), aux_layer_ids=[1, 2, 3], draft_vocab_size=64,
+        best_epoch=1, best_sim_accept_len=1.0, epoch_checkpoints=[str(folder)], latest_state=str(folder),
+        metrics_path=str(folder / "config.json"), plots=[], final_val=None, untrained_val=None, epochs_done=1,
+        global_step=1, total_steps=1, tokens_seen=1, packing_efficiency=1.0, train_rows=1, val_rows=0,
+        truncated_samples=0, stopped_early=False, nproc=1, wall_s=0.0)
 
 
 def test_pipeline_stage_task_writes_into_its_stage_folder(good, tiny_llama_verifier, tmp_path):
-    inputs = {"verifier_path": str(tiny_llama_verifier), "fingerprint": "f" * 64}
-    ckpt = {"best_dir": str(good), "fingerprint": "c" * 64}
+    from eagle3.prepare import describe_sources
     from eagle3.support.paths import BUNDLED_DATA
-    from tasks.common import describe_file
 
-    prompts = describe_file.fn(str(BUNDLED_DATA / "eval.openai.jsonl"))
-    m = validate_draft_task.fn(ValidateConfig(run_vllm=False), inputs, ckpt, prompts, str(tmp_path / "run"))
-    assert Path(m["out_dir"]).parent == tmp_path / "run" and Path(m["out_dir"]).name.startswith("validate-draft-")
-    assert m["verdict"] == "pass" and Path(m["paths"]["report_md"]).is_file()
+    checkpoint = _checkpoint_artifact(good, tiny_llama_verifier, sha256_file(good / "model.safetensors"))
+    prompts = describe_sources([str(BUNDLED_DATA / "eval.openai.jsonl")])
+    m = validate_draft_task.fn(ValidateConfig(run_vllm=False), checkpoint, prompts, str(tmp_path / "run"))
+    assert Path(m.out_dir).parent == tmp_path / "run" and Path(m.out_dir).name.startswith("validate-draft-")
+    assert m.verdict == "pass" and Path(m.report_md).is_file() and m.checkpoint_dir == str(good)
+
+
+def test_weights_changed_since_training_fail_validation_naming_the_file(good, tiny_llama_verifier, tmp_path):
+    """The hash recorded at training is compared before anything runs: zeroed bytes inside model.safetensors (the
+    same size, a header that still parses) are a failed verdict naming the file, and vLLM never starts."""
+    from eagle3.validate.stage import validate_draft
+
+    damaged = rewrite(good, tmp_path / "damaged")
+    recorded = sha256_file(damaged / "model.safetensors")
+    data = bytearray((damaged / "model.safetensors").read_bytes())
+    data[-4096:] = bytes(4096)
+    (damaged / "model.safetensors").write_bytes(bytes(data))
+    m = validate_draft(ValidateConfig(), _checkpoint_artifact(damaged, tiny_llama_verifier, recorded),
+                       tmp_path / "v")
+    assert m.verdict == "fail" and m.reasons[0].startswith("[weights_modified]")
+    assert str(damaged / "model.safetensors") in m.reasons[0]
+    assert m.report()["vllm"] == {"skipped": "the checkpoint's weights are not the ones trained"}
 
 
 def test_bad_settings_raise_before_any_vllm_start(good, tiny_llama_verifier, tmp_path):

@@ -25,8 +25,8 @@ from eagle3.draft.model import DraftConfig, Eagle3Draft
 from eagle3.support.paths import vllm_python
 from eagle3.support.subproc import SubprocessFailed
 from eagle3.support.verifier import VerifierSpec
-from eagle3.validate.specdec import load_verifier, speculative_generate
 from eagle3.validate.config import ValidateConfig
+from eagle3.validate.specdec import load_verifier, speculative_generate
 from eagle3.validate.stage import run_vllm_check, validate_draft
 from eagle3.validate.vllm_check import (
     AcceptanceStats,

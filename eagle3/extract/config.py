@@ -69,7 +69,7 @@ class ExtractConfig(BaseModel):
         json_schema_extra=RUNTIME)
     vllm_python: str | None = Field(
         default=None, description="vLLM backend: interpreter of the vLLM environment; None = $EAGLE3_VLLM_PYTHON "
-        "or <repo>/.venv-vllm/bin/python.", json_schema_extra=RUNTIME,
+        "or the checkout's .venv-vllm/bin/python.", json_schema_extra=RUNTIME,
     )
     vllm_gpu_memory_utilization: float = Field(
         default=0.9, gt=0.0, le=1.0,
@@ -91,7 +91,7 @@ class ExtractConfig(BaseModel):
         default=None, ge=0, description="One past the last dataset index (sample) this job extracts; None = end.",
         json_schema_extra=RESUMABLE,
     )
-    group_size: int = Field(default=2000, ge=1, description="Samples per rows_<a>-<b>/ folder of the store.")
+    group_size: int = Field(default=2000, ge=1, description="Samples per rows_A-B/ folder of the store.")
     resume_check: Literal["sha256", "size"] = Field(
         default="sha256",
         description="How a rerun checks finished samples before skipping them: 'sha256' re-hashes each file "

@@ -104,12 +104,12 @@ class LockSettings(BaseModel):
 
     lock_dir: str | None = Field(
         None, description="Host-local folder of the GPU/host lock files; None = $EAGLE3_LOCK_DIR or "
-        "/tmp/eagle3-locks-<uid>. Must belong to this user and not be writable by others. Every checkout of the "
+        "/tmp/eagle3-locks-UID (this user's id). Must belong to this user and not be writable by others. Every checkout of the "
         "same user on this host shares it: that is what keeps two runs off the same GPUs.",
         json_schema_extra={"changes_output": False})
     lock_wait_seconds: float = Field(
-        0.0, description="Seconds to wait for a busy GPU/host lock: 0 = fail at once naming the holder, < 0 = "
-        "forever.", json_schema_extra={"changes_output": False})
+        0.0, description="Seconds to wait for a busy GPU/host lock: 0 = fail at once naming the holder, negative "
+        "= forever.", json_schema_extra={"changes_output": False})
 
 
 class LockDirError(RuntimeError):

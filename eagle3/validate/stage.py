@@ -171,10 +171,10 @@ def validate_draft(cfg: ValidateConfig, checkpoint: DraftCheckpoint | str | os.P
     vllm_acc = None
     if not cfg.run_vllm:
         report["vllm"] = {"skipped": "run_vllm is false"}
-    elif not structural.ok:
-        report["vllm"] = {"skipped": "the checkpoint failed the structural check"}
     elif not trusted:
         report["vllm"] = {"skipped": "the checkpoint's weights are not the ones trained"}
+    elif not structural.ok:
+        report["vllm"] = {"skipped": "the checkpoint failed the structural check"}
     else:
         # bad settings are errors, not verdicts: no vLLM interpreter, an unusable prompts file
         vllm_python(cfg.vllm_python)
