@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from eagle3.extract.config import ExtractConfig
 from eagle3.extract.store import SAMPLE_METADATA, TOKEN_TENSORS
 from eagle3.prepare import PreparedData, load_prepared
+from eagle3.regenerate.config import RegenerateConfig
 from eagle3.support.artifacts import Artifact
 from eagle3.support.dtypes import dtype, from_safetensors
 from eagle3.support.io import atomic_write_json, sha256_file
@@ -76,6 +77,12 @@ class CapacityConfig(BaseModel):
         gt=0.0,
         description="Tokens per second of hidden-state extraction (prefill + store writes); the original Kimi-K2.5 "
         "run measured 2,300-2,900 tokens/s on its GPU node.",
+    )
+    generation_tokens_per_second: float = Field(
+        300.0,
+        gt=0.0,
+        description="Tokens per second the verifier generates in vLLM over a whole batch (the regenerate stage's "
+        "time estimate); measured on this project's 2 CPU cores for SmolLM2-135M: see the README.",
     )
     on_insufficient: Literal["fail", "warn"] = Field(
         "fail",
@@ -142,10 +149,6 @@ class StorePlan(BaseModel):
         lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
-    def save_plan(self, out_dir: str | Path) -> Path:
-        """Write ``<out_dir>/plan.json`` atomically; return its path."""
-        return atomic_write_json(Path(out_dir) / PLAN_FILE, self.model_dump(mode="json"))
-
 
 def _bytes(n: int) -> str:
     return f"{n:,} bytes ({n / 1e9:,.2f} GB, {n / 2**30:,.2f} GiB)"
@@ -198,6 +201,20 @@ def _total_header_bytes(lengths: np.ndarray, n_aux: int, hidden_size: int, store
         return 0
     values, reps = np.unique(lengths, return_counts=True)
     return sum(int(r) * store_file_bytes(int(t), n_aux, hidden_size, store_dtype)[2] for t, r in zip(values, reps))
+
+
+def assistant_layout(dataset_dir: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """(non-assistant tokens [N], assistant turns [N]) of every sample of a prepared dataset: the prompt side
+    regeneration keeps, and the number of loss-mask runs (one per assistant turn) it rewrites."""
+    ds = load_prepared(dataset_dir, ("loss_mask",), CapacityError)
+    prompt, turns = [], []
+    for t in ds.select_columns(["loss_mask"]).with_format("arrow").iter(batch_size=4096):
+        col = t.column("loss_mask")
+        for i in range(len(t)):
+            m = np.asarray(col[i].values.to_numpy(zero_copy_only=False), dtype=np.int8)  # [T]
+            prompt.append(int((m == 0).sum()))
+            turns.append(int(((m[1:] == 1) & (m[:-1] == 0)).sum() + (len(m) > 0 and m[0] == 1)))
+    return np.asarray(prompt, dtype=np.int64), np.asarray(turns, dtype=np.int64)
 
 
 def sample_lengths(dataset_dir: str | Path) -> np.ndarray:
@@ -350,7 +367,12 @@ class CapacityPlan(Artifact):
     required_free_bytes: int = Field(description="total_bytes plus the margin, bytes.")
     free_bytes: int | None = Field(description="Free bytes at the destination (None: unknown).")
     fits: bool | None = Field(description="required_free_bytes <= free_bytes (None: free space unknown).")
-    estimated_seconds: float = Field(description="Model load + extraction, seconds (an estimate).")
+    estimated_seconds: float = Field(description="Regeneration (when on) + model load + extraction, seconds (an "
+                                     "estimate).")
+    regeneration_seconds: float | None = Field(description="Regeneration estimate: one more verifier load + the "
+                                               "upper bound of generated tokens at generation_tokens_per_second.")
+    regeneration_tokens_upper: int | None = Field(description="Tokens regeneration generates at most (every turn "
+                                                  "at max_new_tokens, each conversation cut at max_seq_len).")
     summary: str = Field(description="The plan in plain lines (the UI artifact and the log show it).")
 
     def outputs(self) -> list[str]:
@@ -358,18 +380,42 @@ class CapacityPlan(Artifact):
 
 
 def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: VerifierIdentity, prepared: PreparedData,
-                  dest: str | os.PathLike, out_dir: str | Path) -> CapacityPlan:
+                  dest: str | os.PathLike, out_dir: str | Path,
+                  regenerate: RegenerateConfig | None = None) -> CapacityPlan:
     """The capacity stage: resolve the store's layout with the rules extraction uses (aux layers, compute and store
-    dtypes), plan it at ``dest`` and write ``<out_dir>/plan.json``. Raises CapacityError when it would not fit."""
+    dtypes), plan it at ``dest`` and write ``<out_dir>/plan.json``. Raises CapacityError when it would not fit.
+
+    With ``regenerate`` enabled the answers are not known yet: the store is planned for the upper bound (every
+    assistant turn at max_new_tokens, each conversation cut at max_seq_len), and the time adds the regeneration
+    estimate (a verifier load + the generated tokens at generation_tokens_per_second)."""
     spec = verifier.spec()
     aux = spec.resolve_aux_layer_ids(extract.aux_layer_ids)
     compute, store = extract.resolved_dtypes(spec)
-    plan = plan_store(verifier.path, aux, store, prepared.dataset_path, dest, cfg, prepared.max_seq_len)
-    path = plan.save_plan(out_dir)
+    lengths: str | np.ndarray = prepared.dataset_path
+    regen_s = regen_tokens = None
+    if regenerate is not None and regenerate.enabled:
+        prompt, turns = assistant_layout(prepared.dataset_path)
+        lengths = np.minimum(prepared.max_seq_len, prompt + turns * regenerate.max_new_tokens)  # [N] upper bound
+        regen_tokens = int((lengths - np.minimum(prompt, lengths)).sum())
+    plan = plan_store(verifier.path, aux, store, lengths, dest, cfg, prepared.max_seq_len)
+    summary = plan.summary()
+    total_s = plan.estimated_seconds
+    if regen_tokens is not None:
+        regen_s = plan.model_load_seconds + regen_tokens / cfg.generation_tokens_per_second
+        total_s += regen_s
+        summary += (f"\n  regeneration first: at most {regen_tokens:,} generated tokens, "
+                    f"{fmt_duration(regen_s)} (h:mm:ss) = a verifier load + generation at "
+                    f"{cfg.generation_tokens_per_second:,.0f} tokens/s; the store above is planned for every "
+                    f"answer at max_new_tokens ({regenerate.max_new_tokens:,} tokens)"
+                    f"\n  total estimate: {fmt_duration(total_s)} (h:mm:ss)")
+    path = atomic_write_json(Path(out_dir) / PLAN_FILE, {**plan.model_dump(mode="json"),
+                                                         "regeneration_seconds": regen_s,
+                                                         "regeneration_tokens_upper": regen_tokens})
     artifact = CapacityPlan(
         out_dir=str(out_dir), fingerprint=sha256_file(path), plan_path=str(path), aux_layer_ids=aux,
         compute_dtype=compute, store_dtype=store, bytes_per_token=plan.bytes_per_token, total_bytes=plan.total_bytes,
         required_free_bytes=plan.required_free_bytes, free_bytes=plan.free_bytes, fits=plan.fits,
-        estimated_seconds=plan.estimated_seconds, summary=plan.summary())
+        estimated_seconds=total_s, regeneration_seconds=regen_s, regeneration_tokens_upper=regen_tokens,
+        summary=summary)
     artifact.save()
     return artifact

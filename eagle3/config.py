@@ -25,6 +25,7 @@ from pydantic.json_schema import SkipJsonSchema
 from eagle3.capacity import CapacityConfig
 from eagle3.extract.config import ExtractConfig
 from eagle3.prepare import PrepareConfig
+from eagle3.regenerate.config import RegenerateConfig
 from eagle3.support.gpu import LockSettings
 from eagle3.support.paths import PREFECT_YAML, resolve_path
 from eagle3.support.settings import RUNTIME
@@ -41,15 +42,24 @@ class DataSection(PrepareConfig):
     sources: list[str] = Field(  # type: ignore[assignment]
         default_factory=lambda: ["data/stdlib-chat/train.openai.jsonl"], min_length=1,
         description=PrepareConfig.model_fields["sources"].description + " Relative paths: to the checkout.")
-    tokenizer_path: SkipJsonSchema[str | None] = Field(  # type: ignore[assignment]
+    tokenizer_path: str | None = Field(  # type: ignore[assignment]
         None, description="Tokenizer + chat template folder; None = the pipeline's verifier_path.")
+    # filled by the pipeline: hidden from the form and left out of dumps (a deployment's parameters never hold it)
     max_seq_len: SkipJsonSchema[int | None] = Field(  # type: ignore[assignment]
-        None, description="Set from the pipeline's max_seq_len (tokens).")
+        None, exclude=True, description="Set from the pipeline's max_seq_len (tokens).")
 
 
 class ExtractSection(ExtractConfig):
     verifier: SkipJsonSchema[str | None] = Field(  # type: ignore[assignment]
-        None, description="Set from the pipeline's verifier_path.")
+        None, exclude=True, description="Set from the pipeline's verifier_path.")
+
+
+class RegenerateSection(RegenerateConfig):
+    # filled from the extraction settings and max_seq_len (the same interpreter and GPUs as extraction)
+    max_model_len: SkipJsonSchema[int | None] = Field(None, exclude=True)  # type: ignore[assignment]
+    tensor_parallel_size: SkipJsonSchema[int | None] = Field(None, exclude=True)  # type: ignore[assignment]
+    vllm_python: SkipJsonSchema[str | None] = Field(None, exclude=True)  # type: ignore[assignment]
+    trust_remote_code: SkipJsonSchema[bool | None] = Field(None, exclude=True)  # type: ignore[assignment]
 
 
 class TrainSection(TrainConfig):
@@ -92,7 +102,9 @@ class PipelineConfig(BaseModel):
     data: DataSection = Field(default_factory=DataSection,
                               description="Stage 1: chat datasets -> token ids + assistant-only loss masks.")
     capacity: CapacityConfig = Field(default_factory=CapacityConfig, description="Disk and time plan before "
-                                     "extraction.")
+                                     "regeneration and extraction.")
+    regenerate: RegenerateSection = Field(default_factory=RegenerateSection, description="Stage 1b: the verifier "
+                                          "rewrites the assistant turns (on-policy training data).")
     extract: ExtractSection = Field(default_factory=ExtractSection, description="Stage 2: verifier hidden states.")
     vocab: VocabConfig = Field(default_factory=VocabConfig, description="Stage 3: draft vocabulary (d2t / t2d).")
     train: TrainSection = Field(default_factory=TrainSection, description="Stage 4: the draft, training-time test.")
@@ -124,6 +136,12 @@ class PipelineConfig(BaseModel):
         d.update(sources=self.sources, tokenizer_path=resolve_path(self.data.tokenizer_path or self.verifier_path),
                  max_seq_len=self.max_seq_len)
         return PrepareConfig.model_validate(d)
+
+    def regenerate_config(self) -> RegenerateConfig:
+        x = self.extract
+        return RegenerateConfig.model_validate({
+            **self.regenerate.model_dump(), "max_model_len": self.max_seq_len, "vllm_python": x.vllm_python,
+            "tensor_parallel_size": x.tensor_parallel_size, "trust_remote_code": x.trust_remote_code})
 
     def extract_config(self) -> ExtractConfig:
         return ExtractConfig.model_validate({**self.extract.model_dump(), "verifier": self.verifier})

@@ -1,6 +1,7 @@
 """The EAGLE-3 pipeline as Prefect flows. Flows only wire tasks; tasks only call `eagle3`.
 
-    prepare -> capacity plan -> extract -> vocab -> train -> validate
+    prepare -> capacity plan [-> regenerate -> prepare the regenerated conversations] -> extract -> vocab -> train
+    -> validate
 
 Three flows, deployed by prefect.yaml: the whole pipeline, extraction alone (a shard range per GPU host), and
 train + validate over an existing store. Run locally with Prefect's ephemeral API (no server to start):
@@ -37,6 +38,7 @@ from tasks.capacity import plan_capacity_task
 from tasks.common import describe_sources_task, describe_verifier_task, result_storage_block, run_stage
 from tasks.extract import extract_hidden_states_task
 from tasks.prepare import prepare_data_task
+from tasks.regenerate import regenerate_task
 from tasks.train import train_draft_task
 from tasks.validate import validate_draft_task
 from tasks.vocab import build_vocab_task
@@ -76,18 +78,31 @@ def run_name() -> str:
 def _stages(config: PipelineConfig):
     """The stage tasks with this run's result storage (cache records + artifacts) attached."""
     storage = result_storage_block(config.result_storage_path)
-    return {t.name: t.with_options(result_storage=storage) for t in (
-        prepare_data_task, plan_capacity_task, extract_hidden_states_task, build_vocab_task, train_draft_task,
-        validate_draft_task)}
+    stages = {t.name: t.with_options(result_storage=storage) for t in (
+        prepare_data_task, plan_capacity_task, regenerate_task, extract_hidden_states_task, build_vocab_task,
+        train_draft_task, validate_draft_task)}
+    # the regenerated conversations go through the same prepare task, as a stage of its own (folder, key, UI name)
+    stages["prepare-regenerated"] = prepare_data_task.with_options(name="prepare-regenerated", result_storage=storage)
+    return stages
 
 
 def _front(config: PipelineConfig, s: dict):
+    """prepare -> capacity plan (-> regenerate -> prepare the regenerated conversations)."""
     verifier = describe_verifier_task(config.verifier)
     sources = describe_sources_task(config.sources)
-    prepared = run_stage(s["prepare-data"], cfg=config.prepare_config(), sources=sources, verifier=verifier,
-                         run_dir=config.run_dir)
+    prepare = config.prepare_config()
+    prepared = run_stage(s["prepare-data"], cfg=prepare, sources=sources, verifier=verifier, run_dir=config.run_dir)
+    regen_cfg = config.regenerate_config()
     plan = run_stage(s["plan-capacity"], cfg=config.capacity, extract=config.extract_config(), verifier=verifier,
-                     prepared=prepared, run_dir=config.run_dir)
+                     prepared=prepared, regenerate=regen_cfg, run_dir=config.run_dir)
+    if regen_cfg.enabled:
+        regenerated = run_stage(s["regenerate"], cfg=regen_cfg, prepare=prepare, verifier=verifier,
+                                prepared=prepared, run_dir=config.run_dir, host=config.host)
+        prepare_regen = prepare.model_copy(update={"sources": [regenerated.conversations_path], "format": "openai",
+                                                   "shuffle_seed": None, "max_samples": None})
+        prepared = run_stage(s["prepare-regenerated"], cfg=prepare_regen,
+                             sources=describe_sources_task([regenerated.conversations_path]), verifier=verifier,
+                             run_dir=config.run_dir)
     return verifier, prepared, plan
 
 

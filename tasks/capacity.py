@@ -7,6 +7,7 @@ from prefect import task
 from eagle3.capacity import CapacityConfig, CapacityPlan, plan_capacity
 from eagle3.extract.config import ExtractConfig
 from eagle3.prepare import PreparedData
+from eagle3.regenerate.config import RegenerateConfig
 from eagle3.support.verifier import VerifierIdentity
 from tasks import artifacts
 from tasks.common import cache_key, produced_here, stage_dir
@@ -14,14 +15,15 @@ from tasks.common import cache_key, produced_here, stage_dir
 
 @task(name="plan-capacity", cache_key_fn=cache_key, persist_result=True, result_serializer="json")
 def plan_capacity_task(cfg: CapacityConfig, extract: ExtractConfig, verifier: VerifierIdentity,
-                       prepared: PreparedData, run_dir: str) -> CapacityPlan:
+                       prepared: PreparedData, run_dir: str, regenerate: RegenerateConfig | None = None) -> CapacityPlan:
     """-> CapacityPlan (the store's resolved layout, bytes, free space, time) + plan.json.
 
     Raises CapacityError when the store would not fit at ``run_dir`` with the margin (cfg.on_insufficient="fail").
     """
     out_dir = stage_dir(run_dir, "plan-capacity", {"cfg": cfg, "extract": extract, "verifier": verifier,
-                                                   "prepared": prepared, "run_dir": run_dir})
-    plan = plan_capacity(cfg, extract, verifier, prepared, run_dir, out_dir)
+                                                   "prepared": prepared, "run_dir": run_dir,
+                                                   "regenerate": regenerate})
+    plan = plan_capacity(cfg, extract, verifier, prepared, run_dir, out_dir, regenerate)
     artifacts.markdown("capacity-plan", f"# Capacity plan\n\n```\n{plan.summary}\n```\n",
                        description="Hidden-state store size, free space and time estimate")
     return produced_here(plan)

@@ -58,7 +58,12 @@ def cache_key(context, parameters: dict[str, Any]) -> str:
 
 
 def stage_dir(run_dir: str, stage: str, inputs: dict[str, Any]) -> Path:
-    """``<run_dir>/<stage>-<key[:12]>``, keyed without the resumable settings."""
+    """``<run_dir>/<stage>-<key[:12]>``, keyed without the resumable settings. Inside a task run the stage is the
+    task's name (one task body can serve two stages, e.g. prepare-data and prepare-regenerated)."""
+    from prefect.context import TaskRunContext
+
+    ctx = TaskRunContext.get()
+    stage = ctx.task.name if ctx is not None else stage
     return Path(run_dir) / f"{stage}-{stage_key(stage, inputs, keep_resumable=False)[:12]}"
 
 

@@ -23,12 +23,11 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
-TINY_E2E_OVERRIDES = {
-    "data": {"max_samples": 48},
-    "train": {"epochs": 1, "ttt_steps": 2},
+TINY_E2E_OVERRIDES = {  # one-setting overrides, as `prefect deployment run -p overrides=...` takes them
+    "data.max_samples": 48, "train.epochs": 1, "train.ttt_steps": 2,
     # real vLLM validation, without the extra engine starts and the demo's acceptance threshold
-    "validate": {"num_prompts": 2, "max_new_tokens": 16, "compare_untrained": False, "offline_reference": False,
-                 "min_mean_acceptance_length": None},
+    "validate.num_prompts": 2, "validate.max_new_tokens": 16, "validate.compare_untrained": False,
+    "validate.offline_reference": False, "validate.min_mean_acceptance_length": None,
 }
 
 
@@ -93,17 +92,14 @@ def test_deployment_run_end_to_end_then_fully_cached(prefect_server, tmp_path):
     worker = _start([str(BIN / "prefect"), "worker", "start", "--pool", "e2e-pool", "--type", "process"],
                     env, home / "worker.log")
     try:
-        # a run's `config` parameter replaces the deployment's whole: send the full tiny preset with the overrides
-        from eagle3.config import load_config
-
-        config = load_config("tiny", {"runs_dir": str(tmp_path / "runs"), "result_storage": str(tmp_path / "results"),
-                                      "host": {"gpu_concurrency_limit": "e2e-gpus", "strict": True},
-                                      **TINY_E2E_OVERRIDES})
-        params = {"config": config.model_dump(mode="json", by_alias=True)}
+        # the deployment's own config (the tiny preset, on the host's GPU slots) plus one-setting overrides
+        overrides = {"runs_dir": str(tmp_path / "runs"), "result_storage": str(tmp_path / "results"),
+                     "host.gpu_concurrency_limit": "e2e-gpus", **TINY_E2E_OVERRIDES}
         runs = []
         for _ in range(2):
-            out = _run([str(BIN / "prefect"), "deployment", "run", "eagle3-pipeline/tiny", "--params",
-                        json.dumps(params), "--watch", "--watch-timeout", "1500"], env, timeout=1600)
+            out = _run([str(BIN / "prefect"), "deployment", "run", "eagle3-pipeline/tiny", "-p",
+                        f"overrides={json.dumps(overrides)}", "--watch", "--watch-timeout", "1500"], env,
+                       timeout=1600)
             runs.append(out.stdout)
     finally:
         _stop(worker)
@@ -112,6 +108,8 @@ def test_deployment_run_end_to_end_then_fully_cached(prefect_server, tmp_path):
     summary = asyncio.run(_inspect_runs(env))
     first, second = summary
     assert first["state"] == "COMPLETED" and second["state"] == "COMPLETED"
+    assert first["name"] != second["name"] and first["name"].startswith("tiny-demo-"), (first["name"], second["name"])
+    assert "run-summary" in second["artifact_keys"]  # a fully cached run still says where the draft is
     stages = {"prepare-data", "plan-capacity", "extract-hidden-states", "build-vocab", "train-draft", "validate-draft"}
     assert stages <= set(first["task_states"]), first["task_states"]
     assert all(first["task_states"][s] == "Completed" for s in stages), first["task_states"]
@@ -128,7 +126,7 @@ async def _inspect_runs(env: dict) -> list[dict]:
         return await _read_runs()
 
 
-async def _read_runs() -> list[dict]:
+async def _read_runs(deadline_s: float = 60.0) -> list[dict]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
     from prefect.client.schemas.sorting import FlowRunSort
@@ -137,12 +135,19 @@ async def _read_runs() -> list[dict]:
         flow_runs = await client.read_flow_runs(sort=FlowRunSort.START_TIME_ASC)
         result = []
         for fr in flow_runs:
-            task_runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
+            flt = FlowRunFilter(id=FlowRunFilterId(any_=[fr.id]))
+            deadline = time.monotonic() + deadline_s
+            while True:  # task-run states reach the server asynchronously: wait until all are final
+                task_runs = await client.read_task_runs(flow_run_filter=flt)
+                if (all(tr.state and tr.state.is_final() for tr in task_runs) and len(task_runs) >= 8) \
+                        or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.5)
             states = {}
             for tr in task_runs:
                 states[tr.name.rsplit("-", 1)[0]] = tr.state.name  # run names are "<task name>-<suffix>"
             arts = await client.read_artifacts(
                 artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr.id])))
-            result.append({"state": fr.state.type.value, "task_states": states,
+            result.append({"state": fr.state.type.value, "name": fr.name, "task_states": states,
                            "artifact_keys": sorted({a.key for a in arts if a.key})})
         return result

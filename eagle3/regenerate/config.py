@@ -1,0 +1,53 @@
+"""Settings of the regenerate stage (one pydantic model; every field says its unit and whether it changes the
+output)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from eagle3.support.settings import RUNTIME
+
+
+class RegenerateConfig(BaseModel):
+    """The verifier writes the assistant turns itself (sampling settings, batching, the vLLM engine)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="Regenerate every assistant turn with the verifier before extraction "
+                          "(on-policy training data; peers treat it as required). Off: train on the dataset's own "
+                          "responses.")
+    temperature: float = Field(0.0, ge=0.0, description="Sampling temperature; 0 = greedy (what temperature-0 "
+                               "serving accepts against).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (fraction).")
+    max_new_tokens: int = Field(512, gt=0, description="Longest regenerated assistant turn, in tokens; turns cut "
+                                "there are kept and counted.")
+    seed: int = Field(0, description="Sampling seed (per request: seed + row index * 1000 + turn).")
+    reasoning: Literal["keep", "strip"] = Field(
+        "keep", description="Thinking models: keep the reasoning block in the regenerated turn, or strip it (the "
+        "text from reasoning_start to reasoning_end).")
+    reasoning_start: str = Field("<think>", description="Text that opens a reasoning block.")
+    reasoning_end: str = Field("</think>", description="Text that closes a reasoning block.")
+    batch_rows: int = Field(64, gt=0, description="Conversations per vLLM generate call (rows); finished rows land "
+                            "on disk after each batch, so a kill loses at most one batch. An out-of-memory error "
+                            "halves it (engine kept).", json_schema_extra=RUNTIME)
+    min_batch_rows: int = Field(1, gt=0, description="OOM floor, in rows: halving stops here and the stage fails.",
+                                json_schema_extra=RUNTIME)
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Compute dtype of the verifier in vLLM; 'auto' = the checkpoint's own on GPUs, float32 "
+        "on a CPU without native bf16 matmul (the same rule as extraction).")
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="vLLM on GPUs: fraction of each GPU's "
+                                          "memory vLLM may use (ignored on CPU: VLLM_CPU_KVCACHE_SPACE, GiB).",
+                                          json_schema_extra=RUNTIME)
+    timeout_s: float = Field(0.0, ge=0.0, description="Kill the vLLM subprocess (its whole group) after this many "
+                             "seconds; 0 = none.", json_schema_extra=RUNTIME)
+    log_every_seconds: float = Field(30.0, ge=0.0, description="Progress line every S seconds (0 = per batch only).",
+                                     json_schema_extra=RUNTIME)
+    # the engine: the pipeline fills these from the extraction settings (same interpreter, same GPUs)
+    max_model_len: int = Field(2048, gt=1, description="Longest conversation in tokens (prompt + answers): rows "
+                               "whose prompt leaves no room are dropped and named.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per model (count).", json_schema_extra=RUNTIME)
+    vllm_python: str | None = Field(None, description="Interpreter of the vLLM environment; None = "
+                                    "$EAGLE3_VLLM_PYTHON or the checkout's .venv-vllm.", json_schema_extra=RUNTIME)
+    trust_remote_code: bool = Field(False, description="Let transformers/vLLM run the verifier's own code.")

@@ -1,0 +1,242 @@
+"""The regenerate stage: the verifier writes every assistant turn of the training conversations itself (on-policy
+data), so the draft learns the distribution it will be asked to predict at serving time.
+
+Pipeline position: prepare (the original data: which rows, in which order) -> capacity -> **regenerate** ->
+prepare (the regenerated conversations) -> extract -> ...
+
+The conversations are exactly the rows the prepare stage kept (its ``source_index`` column), read again from the
+sources and normalised the same way. Every assistant turn is regenerated through vLLM
+(eagle3/regenerate/vllm_worker.py, in the vLLM interpreter, inside the device guard), turn by turn (a later turn
+sees the regenerated earlier ones; system prompts kept). Finished rows land in ``journal.jsonl`` batch by batch;
+a rerun continues from it, so a kill -9 loses at most the batch in flight and every row ends up exactly once.
+The output is ``conversations.jsonl`` (OpenAI messages, the prepared order) for the prepare stage to read.
+
+Why regeneration does not share one vLLM engine session with extraction: extraction's engine runs vLLM's
+``extract_hidden_states`` speculative method with our KV connector and prefix caching off (prefill only), which a
+live engine cannot switch off for generation; and the prepare + capacity stages run in between. The cost is one
+more verifier load (about 22 minutes for Kimi-K2.5), which the capacity plan shows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import Field
+
+from eagle3.prepare import BadRow, PrepareConfig, PreparedData, iter_rows, load_prepared, normalize_row
+from eagle3.regenerate.config import RegenerateConfig
+from eagle3.support.artifacts import Artifact
+from eagle3.support.dtypes import describe_compute_dtype
+from eagle3.support.gpu import DeviceGuard, OutOfMemoryAfterRetries, cuda_device_ids, file_lock_guard
+from eagle3.support.io import atomic_write_json, atomic_write_text, sha256_file
+from eagle3.support.paths import REPO_ROOT, vllm_python, vllm_subprocess_env
+from eagle3.support.progress import Progress
+from eagle3.support.subproc import run_subprocess
+from eagle3.support.verifier import VerifierIdentity
+
+log = logging.getLogger("eagle3")
+
+JOURNAL = "journal.jsonl"
+CONVERSATIONS = "conversations.jsonl"
+STATS = "stats.json"
+_FIRST_NAMED = 20  # dropped rows named per reason in the stats
+
+
+class RegenerateError(RuntimeError):
+    """The vLLM generation driver failed; the message carries its last output lines."""
+
+
+class RegeneratedData(Artifact):
+    """The regenerate stage's output: the conversations with the verifier's own answers, and what it took."""
+
+    stage: ClassVar[str] = "regenerate"
+
+    conversations_path: str = Field(description="conversations.jsonl: OpenAI-format rows, the prepared order.")
+    stats_path: str = Field(description="stats.json: the counts below plus the dropped rows by name.")
+    rows_in: int = Field(description="Conversations to regenerate (the rows the prepare stage kept).")
+    rows_written: int = Field(description="Conversations written with every assistant turn regenerated.")
+    rows_dropped: int = Field(description="Conversations dropped (template error, prompt too long, empty answer).")
+    rows_dropped_by_reason: dict[str, int] = Field(description="rows_dropped by reason.")
+    turns_generated: int = Field(description="Assistant turns regenerated.")
+    turns_cut: int = Field(description="Turns cut at max_new_tokens (kept).")
+    tokens_generated: int = Field(description="Tokens the verifier generated, all turns of all written rows.")
+    tokens_per_second: float = Field(description="Generated tokens / generation wall time of the last invocation "
+                                     "(engine start excluded; 0 when nothing was left to do).")
+    engine_start_seconds: float = Field(description="vLLM engine start (the verifier load) of the last invocation.")
+    generate_seconds: float = Field(description="Generation wall time of the last invocation, seconds.")
+    rows_resumed: int = Field(description="Rows already in the journal from an interrupted run (not redone).")
+    sampling: dict[str, Any] = Field(description="temperature, top_p, max_new_tokens (tokens), seed, reasoning.")
+
+    def outputs(self) -> list[str]:
+        return [self.conversations_path, self.stats_path]
+
+
+def read_journal(path: Path) -> dict[int, dict]:
+    """index -> the latest journal line of that row; a torn last line (a kill inside the write) is ignored."""
+    out: dict[int, dict] = {}
+    if not path.is_file():
+        return out
+    for line in path.read_bytes().split(b"\n"):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+            out[int(entry["index"])] = entry
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue
+    return out
+
+
+def selected_conversations(prepared: PreparedData, prepare_cfg: PrepareConfig) -> list[dict]:
+    """The conversations the prepare stage kept, in its order, as {"index", "messages"} (index = source row)."""
+    order = load_prepared(prepared.dataset_path, ("source_index",)).select_columns(["source_index"])
+    wanted = [int(i) for i in order["source_index"]]
+    position = {index: k for k, index in enumerate(wanted)}
+    found: list[dict | None] = [None] * len(wanted)
+    for index, row in iter_rows(prepare_cfg.sources, prepare_cfg.hf_split):
+        k = position.get(index)
+        if k is None:
+            continue
+        if isinstance(row, BadRow):
+            raise RegenerateError(f"source row {index} was kept by the prepare stage but no longer reads: {row}")
+        found[k] = {"index": index, "messages": normalize_row(row, prepare_cfg.format)}
+        if k == len(wanted) - 1 and all(f is not None for f in found):
+            break
+    missing = [wanted[k] for k, f in enumerate(found) if f is None]
+    if missing:
+        raise RegenerateError(f"source rows {missing[:10]} of {prepared.dataset_path} are not in the sources "
+                              f"{prepare_cfg.sources} any more: rerun the prepare stage")
+    return found  # type: ignore[return-value]
+
+
+def regenerate(cfg: RegenerateConfig, prepared: PreparedData, prepare_cfg: PrepareConfig,
+               verifier: VerifierIdentity, out_dir: str | Path, *, guard: DeviceGuard | None = None,
+               on_progress: Callable[[int, int, str], None] | None = None,
+               inject_oom_batches: list[int] | None = None) -> RegeneratedData:
+    """Regenerate the assistant turns of the rows ``prepared`` kept (read from ``prepare_cfg.sources``) into
+    ``out_dir``; resumes from the journal. ``guard`` holds the devices while vLLM runs (default: the host file
+    lock alone); ``inject_oom_batches`` is a test hook (see vllm_worker)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    journal = out_dir / JOURNAL
+    rows = selected_conversations(prepared, prepare_cfg)
+    done = read_journal(journal)
+    todo = [r for r in rows if r["index"] not in done]
+    spec = verifier.spec()
+    dtype = describe_compute_dtype(cfg.dtype, spec.dtype, "auto")
+    log.info("[regenerate] %d conversations (%d already in %s); temperature %s, top_p %s, max_new_tokens %d, "
+             "batches of %d rows, dtype %s", len(rows), len(rows) - len(todo), journal, cfg.temperature, cfg.top_p,
+             cfg.max_new_tokens, cfg.batch_rows, dtype)
+    stats: dict[str, Any] = {"engine_start_seconds": 0.0, "generate_seconds": 0.0, "tokens_generated": 0}
+    if todo:
+        python = vllm_python(cfg.vllm_python)
+        work = out_dir / "work.jsonl"
+        atomic_write_text(work, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in todo))
+        job = {"verifier": verifier.path, "work_file": str(work), "journal": str(journal),
+               "stats_file": str(out_dir / "driver_stats.json"), "chat_template": _template(prepare_cfg),
+               "dtype": dtype, "tensor_parallel_size": cfg.tensor_parallel_size, "max_model_len": cfg.max_model_len,
+               "gpu_memory_utilization": cfg.gpu_memory_utilization, "trust_remote_code": cfg.trust_remote_code,
+               "temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
+               "seed": cfg.seed, "reasoning": cfg.reasoning, "reasoning_start": cfg.reasoning_start,
+               "reasoning_end": cfg.reasoning_end, "batch_rows": cfg.batch_rows, "min_batch_rows": cfg.min_batch_rows,
+               "inject_oom_batches": inject_oom_batches or []}
+        job_file = atomic_write_json(out_dir / "job.json", job)
+        (out_dir / "driver_stats.json").unlink(missing_ok=True)
+        cmd = [python, "-m", "eagle3.regenerate.vllm_worker", str(job_file)]
+        progress = Progress("regenerate", len(rows), unit="conversations", every_s=cfg.log_every_seconds,
+                            logger=log, on_update=on_progress)
+        progress.done = len(rows) - len(todo)
+        with (guard or file_lock_guard(logger=log))(cuda_device_ids(count=cfg.tensor_parallel_size)) as fds, \
+                _follow_journal(journal, progress):
+            result = run_subprocess(cmd, env=vllm_subprocess_env(), timeout_s=cfg.timeout_s or None,
+                                    log_prefix="[vllm] ", cwd=REPO_ROOT, pass_fds=fds)
+        if result.returncode == 3:
+            raise OutOfMemoryAfterRetries(f"regeneration ran out of memory at the batch floor (min_batch_rows "
+                                          f"{cfg.min_batch_rows}); last output:\n{result.stdout[-3000:]}")
+        if result.returncode != 0 or result.timed_out:
+            raise RegenerateError(f"the vLLM generation driver failed (exit {result.returncode}"
+                                  f"{', timed out' if result.timed_out else ''}); last output:\n"
+                                  f"{result.stdout[-4000:]}")
+        stats.update(json.loads((out_dir / "driver_stats.json").read_text()))
+        work.unlink(missing_ok=True)
+    return _finish(cfg, rows, read_journal(journal), len(rows) - len(todo), stats, out_dir, dtype)
+
+
+def _template(prepare_cfg: PrepareConfig) -> str | None:
+    """The chat template the prepare stage renders with (its override, as text), so prompts match training."""
+    if prepare_cfg.chat_template is None:
+        return None
+    from eagle3.prepare import load_chat_tokenizer
+
+    return load_chat_tokenizer(prepare_cfg.tokenizer_path, prepare_cfg.chat_template,
+                               prepare_cfg.trust_remote_code)[1]
+
+
+class _follow_journal:
+    """Counts journal lines while the driver runs and feeds the count to ``progress`` (a line per batch)."""
+
+    def __init__(self, journal: Path, progress: Progress):
+        self.journal, self.progress, self.stop = journal, progress, threading.Event()
+        self.start_lines = len(read_journal(journal))
+
+    def __enter__(self):
+        self.thread = threading.Thread(target=self._run, name="eagle3-regenerate-progress", daemon=True)
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        seen = self.start_lines
+        while not self.stop.wait(1.0):
+            n = len(read_journal(self.journal))
+            if n > seen:
+                self.progress.update(n - seen, extra="batch written")
+                seen = n
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+
+
+def _finish(cfg: RegenerateConfig, rows: list[dict], journal: dict[int, dict], resumed: int, stats: dict,
+            out_dir: Path, dtype: str) -> RegeneratedData:
+    written, dropped = [], {}
+    turns = cut = tokens = 0
+    for r in rows:
+        entry = journal[r["index"]]
+        if "messages" in entry:
+            written.append({"messages": entry["messages"], "source_index": r["index"]})
+            turns, cut, tokens = turns + entry["turns"], cut + entry["cut_turns"], tokens + entry["tokens"]
+        else:
+            d = dropped.setdefault(entry["dropped"], {"count": 0, "first": []})
+            d["count"] += 1
+            if len(d["first"]) < _FIRST_NAMED:
+                d["first"].append({"index": r["index"], "detail": entry.get("detail", "")})
+    if not written:
+        raise RegenerateError(f"no conversation could be regenerated: {json.dumps(dropped)[:2000]}")
+    for reason, d in dropped.items():
+        log.warning("[regenerate] dropped %d conversations (%s), e.g. source rows %s", d["count"], reason,
+                    [x["index"] for x in d["first"][:5]])
+    conversations = atomic_write_text(out_dir / CONVERSATIONS,
+                                      "".join(json.dumps(w, ensure_ascii=False) + "\n" for w in written))
+    gen_s = float(stats["generate_seconds"])
+    sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
+                "seed": cfg.seed, "reasoning": cfg.reasoning, "dtype": dtype}
+    summary = {"rows_in": len(rows), "rows_written": len(written), "rows_dropped": len(rows) - len(written),
+               "rows_dropped_by_reason": {k: v["count"] for k, v in dropped.items()}, "turns_generated": turns,
+               "turns_cut": cut, "tokens_generated": tokens,
+               "tokens_per_second": stats["tokens_generated"] / gen_s if gen_s > 0 else 0.0,
+               "engine_start_seconds": float(stats["engine_start_seconds"]), "generate_seconds": gen_s,
+               "rows_resumed": resumed, "sampling": sampling}
+    stats_path = atomic_write_json(out_dir / STATS, {**summary, "dropped": dropped,
+                                                     "oom_halvings": stats.get("oom_halvings", 0)})
+    log.info("[regenerate] done: %d of %d conversations, %d turns (%d cut at max_new_tokens), %s tokens, %.1f tok/s",
+             len(written), len(rows), turns, cut, f"{tokens:,}", summary["tokens_per_second"])
+    artifact = RegeneratedData(out_dir=str(out_dir), fingerprint=sha256_file(conversations),
+                               conversations_path=str(conversations), stats_path=str(stats_path), **summary)
+    artifact.save()
+    return artifact
