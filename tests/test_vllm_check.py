@@ -205,19 +205,23 @@ def test_constant_draft_counters_equal_the_offline_loop_exactly(random_verifier,
 
 
 class _Watcher(threading.Thread):
-    """Records every descendant of this test process while the vLLM check runs."""
+    """Records every descendant of this test process that appears while the vLLM check runs (children that were
+    there before, e.g. multiprocessing's resource tracker from an earlier DataLoader, are not the check's)."""
 
     def __init__(self, on_count: int | None = None):
         super().__init__(daemon=True)
         self.seen: dict[int, str] = {}
         self.on_count = on_count
         self.stop = threading.Event()
+        self.before = {p.pid for p in psutil.Process().children(recursive=True)}
 
     def run(self) -> None:
         me = psutil.Process()
         fired = False
         while not self.stop.is_set():
             for p in me.children(recursive=True):
+                if p.pid in self.before:
+                    continue
                 try:
                     self.seen.setdefault(p.pid, " ".join(p.cmdline())[:200])
                 except psutil.Error:
