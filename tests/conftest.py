@@ -5,16 +5,32 @@
 * ``kimi_like_target``: a random-init DeepseekV3 (MLA + MoE) language model saved SHARDED under the
   ``language_model.`` prefix with a nested ``text_config``, as Kimi-K2.5 ships, to prove that the code finds
   ``embed_tokens``, the final ``norm`` and ``lm_head`` through the safetensors index.
+
+Prefect, real parts only: ``prefect_harness`` (Prefect's test harness, a temporary server for flows run in this
+process) and ``prefect_server`` (``prefect server start`` on a free loopback port with every service, as on a real
+host: workers, deployments, automations; the UI off). One of each per test session, started on first use.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
+
+from tasks.prefect_env import apply_prefect_env_defaults
+
+# Prefect reads its logging and analytics settings when it is first imported: set ours before any test imports it
+apply_prefect_env_defaults()
 
 REPO = Path(__file__).resolve().parent.parent
 BUNDLED_VERIFIER = REPO / "models" / "tiny-chat-verifier"
@@ -134,3 +150,71 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+# ---------------------------------------------------------------- Prefect servers
+
+BIN = Path(sys.executable).parent  # the pipeline venv's bin (prefect CLI)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_process(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
+    """A long-running helper process (server, worker) in its own process group, output to ``log``."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def prefect_harness(tmp_path_factory):
+    """Prefect's test harness: flows called in this process run against a temporary server (SQLite); its startup
+    timeout is tasks/prefect_env's (``server_startup_timeout=None`` reads the setting)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PREFECT_HOME", str(tmp_path_factory.mktemp("prefect-home")))  # cache records live there
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=None):
+        yield
+    mp.undo()
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """``prefect server start`` on a free loopback port (SQLite in a temp PREFECT_HOME, all services, no UI).
+    Yields (env for CLI calls and flow processes against it, its PREFECT_HOME)."""
+    home = tmp_path_factory.mktemp("prefect-server-home")
+    port = free_port()
+    env = apply_prefect_env_defaults({
+        **os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_LOGGING_LEVEL": "INFO", "PREFECT_UI_ENABLED": "false",
+        "EAGLE3_REPO_DIR": str(REPO)})
+    server = start_process([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                           env, home / "server.log")
+    deadline = time.monotonic() + int(env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"])
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if time.monotonic() > deadline or server.poll() is not None:
+            stop_process(server)
+            pytest.fail(f"prefect server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
+        time.sleep(0.5)
+    yield env, home
+    stop_process(server)
