@@ -14,20 +14,15 @@ host: workers, deployments, automations; the UI off). One of each per test sessi
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
-from tasks.prefect_env import apply_prefect_env_defaults
+from tasks.prefect_env import apply_prefect_env_defaults, start_local_server, stop_process_group
 
 # Prefect reads its logging and analytics settings when it is first imported: set ours before any test imports it
 apply_prefect_env_defaults()
@@ -157,26 +152,10 @@ def one_torch_thread():
 BIN = Path(sys.executable).parent  # the pipeline venv's bin (prefect CLI)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_process(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
     """A long-running helper process (server, worker) in its own process group, output to ``log``."""
     with open(log, "ab") as out:
         return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def stop_process(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
 
 
 @pytest.fixture(scope="session")
@@ -197,24 +176,9 @@ def prefect_server(tmp_path_factory):
     """``prefect server start`` on a free loopback port (SQLite in a temp PREFECT_HOME, all services, no UI).
     Yields (env for CLI calls and flow processes against it, its PREFECT_HOME)."""
     home = tmp_path_factory.mktemp("prefect-server-home")
-    port = free_port()
-    env = apply_prefect_env_defaults({
-        **os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-        "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_LOGGING_LEVEL": "INFO", "PREFECT_UI_ENABLED": "false",
-        "EAGLE3_REPO_DIR": str(REPO)})
-    server = start_process([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                           env, home / "server.log")
-    deadline = time.monotonic() + int(env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"])
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        if time.monotonic() > deadline or server.poll() is not None:
-            stop_process(server)
-            pytest.fail(f"prefect server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
-        time.sleep(0.5)
+    try:
+        server, env = start_local_server(home, extra_env={"PREFECT_LOGGING_LEVEL": "INFO", "EAGLE3_REPO_DIR": str(REPO)})
+    except RuntimeError as e:
+        pytest.fail(str(e))
     yield env, home
-    stop_process(server)
+    stop_process_group(server)

@@ -11,7 +11,9 @@ import json
 import subprocess
 
 import pytest
-from conftest import BIN, REPO, start_process, stop_process
+from conftest import BIN, REPO, start_process
+
+from tasks.prefect_env import stop_process_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -50,7 +52,7 @@ def test_deployment_run_end_to_end_then_fully_cached(prefect_server, tmp_path):
                         json.dumps(params), "--watch", "--watch-timeout", "1500"], env, timeout=1600)
             runs.append(out.stdout)
     finally:
-        stop_process(worker)
+        stop_process_group(worker)
     assert all("Completed" in r for r in runs), runs[-1][-3000:] + (home / "worker.log").read_text()[-5000:]
 
     summary = asyncio.run(_inspect_runs(env))
