@@ -236,6 +236,7 @@ def run_subprocess(
     logger: logging.Logger | None = None,
     grace_s: float = 5.0,
     log_file: str | os.PathLike | None = None,
+    pass_fds: Sequence[int] = (),
 ) -> SubprocessResult:
     """Run ``cmd`` (list of str) in its own process group; stream its output lines to ``logger`` (INFO).
 
@@ -246,6 +247,9 @@ def run_subprocess(
     ``log_file``: every line is appended there (after a header naming the command), and only the lines
     ``VllmOutputFilter`` keeps reach ``logger``; $EAGLE3_VLLM_VERBOSE=1 sends every line to ``logger`` as well.
     The file's path is logged first. The result's ``stdout`` tail always holds every line.
+
+    ``pass_fds``: descriptors that stay open in the guard (not in the command) as long as the group lives: a host
+    lock held through them is released only when the last process of the group is gone (see ``popen_guarded``).
     """
     logger = logger or log
     args = [str(a) for a in cmd]
@@ -267,7 +271,8 @@ def run_subprocess(
     start = time.monotonic()
     try:
         proc = popen_guarded(args, env=dict(env) if env is not None else None, cwd=cwd, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, bufsize=1, text=True, errors="replace")
+                             stderr=subprocess.STDOUT, bufsize=1, text=True, errors="replace",
+                             pass_fds=tuple(pass_fds))
     except BaseException:
         if sink is not None:
             sink.close()

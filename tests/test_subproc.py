@@ -312,3 +312,11 @@ def test_command_that_ends_after_its_owner_died_leaves_nothing_behind(tmp_path):
     finally:
         if owner.poll() is None:
             owner.kill()
+
+
+def test_pass_fds_stay_open_in_the_guard_while_the_command_runs(tmp_path):
+    held = tmp_path / "host.lock"
+    with open(held, "w") as f:
+        code = f"import os, psutil; print(any(o.path == {str(held)!r} for o in psutil.Process(os.getppid()).open_files()))"
+        res = run_subprocess([sys.executable, "-c", code], timeout_s=60, pass_fds=[f.fileno()])
+    assert res.check().stdout.strip() == "True"
