@@ -6,6 +6,7 @@ while a live run next to it stays Running."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -67,20 +68,41 @@ def test_setup_script_names_the_missing_cli(prefect_server, tmp_path):
     assert out.returncode == 1 and f"prefect CLI not found at '{tmp_path / 'no-prefect'}'" in out.stderr
 
 
-def test_deploy_stores_the_deploying_shells_repo_dir(prefect_server):
-    """prefect.yaml's pull step reads "{{ $EAGLE3_REPO_DIR }}": `prefect deploy` fills it in from ITS environment,
-    and the worker's EAGLE3_REPO_DIR is never read (deployments/README.md says so)."""
-    env, _ = prefect_server
-    deploy_env = {**env, "EAGLE3_REPO_DIR": "/checkout/of/the/deploying/machine"}
-    subprocess.run([str(BIN / "prefect"), "work-pool", "create", "repo-dir-pool", "--type", "process"], env=env,
-                   cwd=REPO, capture_output=True, timeout=120, check=True)
-    out = subprocess.run([str(BIN / "prefect"), "--no-prompt", "deploy", "--name", "tiny", "--pool", "repo-dir-pool"],
-                         env=deploy_env, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+_RUN_PULL_STEPS = """
+import asyncio, json, os, sys
+from prefect.deployments.steps.core import run_steps
+asyncio.run(run_steps(json.loads(sys.argv[1]), print_function=lambda *a: None))
+print(os.getcwd())
+"""
+
+
+def _deploy_tiny(env: dict, pool: str) -> list[dict]:
+    subprocess.run([str(BIN / "prefect"), "work-pool", "create", pool, "--type", "process"], env=env, cwd=REPO,
+                   capture_output=True, timeout=120, check=True)
+    out = subprocess.run([str(BIN / "prefect"), "--no-prompt", "deploy", "--name", "tiny", "--pool", pool], env=env,
+                         cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
     with _client(env) as client:
-        deployment = client.read_deployment_by_name("eagle3-pipeline/tiny")
-    assert deployment.pull_steps == [{"prefect.deployments.steps.set_working_directory": {
+        return client.read_deployment_by_name("eagle3-pipeline/tiny").pull_steps
+
+
+def test_repo_dir_is_baked_in_when_set_at_deploy_time_else_read_by_each_worker(prefect_server, tmp_path):
+    """prefect.yaml's pull step reads "{{ $EAGLE3_REPO_DIR }}". Set in the shell that runs `prefect deploy`, it is
+    stored as a literal path; unset there, the placeholder is stored and the flow process (the worker's
+    environment) fills it in when the run starts. deployments/README.md says so."""
+    env, _ = prefect_server
+    baked = _deploy_tiny({**env, "EAGLE3_REPO_DIR": "/checkout/of/the/deploying/machine"}, "baked-pool")
+    assert baked == [{"prefect.deployments.steps.set_working_directory": {
         "directory": "/checkout/of/the/deploying/machine"}}]
+
+    late = _deploy_tiny({k: v for k, v in env.items() if k != "EAGLE3_REPO_DIR"}, "late-pool")
+    assert late == [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $EAGLE3_REPO_DIR }}"}}]
+    worker_checkout = tmp_path / "worker-checkout"
+    worker_checkout.mkdir()
+    out = subprocess.run([sys.executable, "-c", _RUN_PULL_STEPS, json.dumps(late)], cwd=tmp_path, text=True,
+                         env={**env, "EAGLE3_REPO_DIR": str(worker_checkout)}, capture_output=True, timeout=120,
+                         check=True)
+    assert out.stdout.strip().splitlines()[-1] == str(worker_checkout)
 
 
 _FLOW = """

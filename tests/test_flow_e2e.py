@@ -35,7 +35,9 @@ def _run(cmd: list[str], env: dict, timeout: int = 900) -> subprocess.CompletedP
 def test_deployment_run_end_to_end_then_fully_cached(prefect_server, tmp_path):
     env, home = prefect_server
     _run(["bash", "deployments/setup_prefect.sh", "e2e-pool", "e2e-gpus", "1"], env)
-    _run([str(BIN / "prefect"), "--no-prompt", "deploy", "--name", "tiny", "--pool", "e2e-pool"], env)
+    # as the README deploys: EAGLE3_REPO_DIR unset, so the worker's (the checkout) is read when each run starts
+    _run([str(BIN / "prefect"), "--no-prompt", "deploy", "--name", "tiny", "--pool", "e2e-pool"],
+         {k: v for k, v in env.items() if k != "EAGLE3_REPO_DIR"})
     worker = start_process([str(BIN / "prefect"), "worker", "start", "--pool", "e2e-pool", "--type", "process"],
                            env, home / "worker.log")
     try:
