@@ -52,6 +52,16 @@ _GUARD_SOURCE = r"""
 import os, signal, subprocess, sys
 owner = int(sys.argv[1])
 child = subprocess.Popen(sys.argv[2:])
+def owner_gone():
+    if os.getppid() != owner:  # we were reparented: the owner exited
+        return True
+    # A dying multi-threaded owner (SIGKILL) hands us to one of its other threads while they exit: getppid() still
+    # names it, but its main thread is already a zombie.
+    try:
+        with open(f"/proc/{owner}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return os.path.isdir("/proc/self")  # with procfs, no stat means no owner; without, getppid() is all we have
 def on_term(signum, frame):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group signal below reaches the guard too
     try:
@@ -66,9 +76,9 @@ while True:
         break
     except subprocess.TimeoutExpired:
         pass
-    if os.getppid() != owner:  # the owner died: nobody will ever wait for this group
+    if owner_gone():  # nobody will ever wait for this group
         os.killpg(os.getpgrp(), signal.SIGKILL)
-if os.getppid() != owner:  # the command ended (e.g. of EPIPE) after the owner died: its leftovers go with it
+if owner_gone():  # the command ended (e.g. of EPIPE) as the owner died: its leftovers go with it
     os.killpg(os.getpgrp(), signal.SIGKILL)
 sys.exit(rc if rc >= 0 else 128 - rc)
 """.replace("POLL_S", repr(_GUARD_POLL_S))
