@@ -5,16 +5,27 @@
 * ``kimi_like_target``: a random-init DeepseekV3 (MLA + MoE) language model saved SHARDED under the
   ``language_model.`` prefix with a nested ``text_config``, as Kimi-K2.5 ships, to prove that the code finds
   ``embed_tokens``, the final ``norm`` and ``lm_head`` through the safetensors index.
+
+Prefect, real parts only: ``prefect_harness`` (Prefect's test harness, a temporary server for flows run in this
+process) and ``prefect_server`` (``prefect server start`` on a free loopback port with every service, as on a real
+host: workers, deployments, automations; the UI off). One of each per test session, started on first use.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tasks.prefect_env import apply_prefect_env_defaults, start_local_server, stop_process_group
+
+# Prefect reads its logging and analytics settings when it is first imported: set ours before any test imports it
+apply_prefect_env_defaults()
 
 REPO = Path(__file__).resolve().parent.parent
 BUNDLED_VERIFIER = REPO / "models" / "tiny-chat-verifier"
@@ -143,3 +154,40 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+# ---------------------------------------------------------------- Prefect servers
+
+BIN = Path(sys.executable).parent  # the pipeline venv's bin (prefect CLI)
+
+
+def start_process(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
+    """A long-running helper process (server, worker) in its own process group, output to ``log``."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@pytest.fixture(scope="session")
+def prefect_harness(tmp_path_factory):
+    """Prefect's test harness: flows called in this process run against a temporary server (SQLite); its startup
+    timeout is tasks/prefect_env's (``server_startup_timeout=None`` reads the setting)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PREFECT_HOME", str(tmp_path_factory.mktemp("prefect-home")))  # cache records live there
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=None):
+        yield
+    mp.undo()
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """``prefect server start`` on a free loopback port (SQLite in a temp PREFECT_HOME, all services, no UI).
+    Yields (env for CLI calls and flow processes against it, its PREFECT_HOME)."""
+    home = tmp_path_factory.mktemp("prefect-server-home")
+    try:
+        server, env = start_local_server(home, extra_env={"PREFECT_LOGGING_LEVEL": "INFO", "EAGLE3_REPO_DIR": str(REPO)})
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    yield env, home
+    stop_process_group(server)

@@ -20,16 +20,9 @@ STAGES = ["prepare-data", "plan-capacity", "extract-hidden-states", "build-vocab
 
 
 @pytest.fixture(scope="module")
-def harness(tmp_path_factory):
-    home = tmp_path_factory.mktemp("prefect-home")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PREFECT_HOME", str(home))
-    mp.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-    mp.undo()
+def harness(prefect_harness):
+    """The session's temporary Prefect server (tests/conftest.py)."""
+    yield
 
 
 def _states(flow_state, deadline_s: float = 60.0) -> dict[str, str]:

@@ -8,19 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import socket
 import subprocess
-import sys
 import time
-import urllib.request
-from pathlib import Path
 
 import pytest
+from conftest import BIN, REPO, start_process
 
-REPO = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
+from tasks.prefect_env import stop_process_group
+
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 TINY_E2E_OVERRIDES = {  # one-setting overrides, as `prefect deployment run -p overrides=...` takes them
@@ -31,66 +26,20 @@ TINY_E2E_OVERRIDES = {  # one-setting overrides, as `prefect deployment run -p o
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
 def _run(cmd: list[str], env: dict, timeout: int = 900) -> subprocess.CompletedProcess:
     out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False)
     assert out.returncode == 0, f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
     return out
 
 
-@pytest.fixture(scope="module")
-def prefect_server(tmp_path_factory):
-    home = tmp_path_factory.mktemp("prefect-home")
-    port = _free_port()
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "false",
-           "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_LOGGING_LEVEL": "INFO",
-           "EAGLE3_REPO_DIR": str(REPO)}
-    server = _start([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                    env, home / "server.log")
-    deadline = time.time() + 120
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        if time.time() > deadline or server.poll() is not None:
-            _stop(server)
-            pytest.fail(f"prefect server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
-        time.sleep(1)
-    yield env, home
-    _stop(server)
-
-
 def test_deployment_run_end_to_end_then_fully_cached(prefect_server, tmp_path):
     env, home = prefect_server
-    env = {**env, "PREFECT": str(BIN / "prefect")}
     _run(["bash", "deployments/setup_prefect.sh", "e2e-pool", "e2e-gpus", "1"], env)
-    _run([str(BIN / "prefect"), "--no-prompt", "deploy", "--name", "tiny", "--pool", "e2e-pool"], env)
-    worker = _start([str(BIN / "prefect"), "worker", "start", "--pool", "e2e-pool", "--type", "process"],
-                    env, home / "worker.log")
+    # as the README deploys: EAGLE3_REPO_DIR unset, so the worker's (the checkout) is read when each run starts
+    _run([str(BIN / "prefect"), "--no-prompt", "deploy", "--name", "tiny", "--pool", "e2e-pool"],
+         {k: v for k, v in env.items() if k != "EAGLE3_REPO_DIR"})
+    worker = start_process([str(BIN / "prefect"), "worker", "start", "--pool", "e2e-pool", "--type", "process"],
+                           env, home / "worker.log")
     try:
         # the deployment's own config (the tiny preset, on the host's GPU slots) plus one-setting overrides
         overrides = {"runs_dir": str(tmp_path / "runs"), "result_storage": str(tmp_path / "results"),
@@ -102,7 +51,7 @@ def test_deployment_run_end_to_end_then_fully_cached(prefect_server, tmp_path):
                        timeout=1600)
             runs.append(out.stdout)
     finally:
-        _stop(worker)
+        stop_process_group(worker)
     assert all("Completed" in r for r in runs), runs[-1][-3000:] + (home / "worker.log").read_text()[-5000:]
 
     summary = asyncio.run(_inspect_runs(env))
@@ -128,11 +77,20 @@ async def _inspect_runs(env: dict) -> list[dict]:
 
 async def _read_runs(deadline_s: float = 60.0) -> list[dict]:
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowFilter,
+        FlowFilterName,
+        FlowRunFilter,
+        FlowRunFilterId,
+    )
     from prefect.client.schemas.sorting import FlowRunSort
 
     async with get_client() as client:
-        flow_runs = await client.read_flow_runs(sort=FlowRunSort.START_TIME_ASC)
+        # the session's server also holds other tests' runs: only this flow's
+        flow_runs = await client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["eagle3-pipeline"])),
+                                                sort=FlowRunSort.START_TIME_ASC)
         result = []
         for fr in flow_runs:
             flt = FlowRunFilter(id=FlowRunFilterId(any_=[fr.id]))

@@ -7,12 +7,15 @@ Stages that run code in another interpreter (the vLLM environment) go through ``
   group when OUR process disappears (a Prefect cancellation that SIGKILLs the flow process, an OOM kill), which no
   ``finally`` block in this process could do;
 * stdout and stderr are merged and streamed line by line to the logger (``log_prefix`` in front), the last lines
-  kept for error messages;
+  kept for error messages; with ``log_file`` every line goes to that file instead and the logger gets only the
+  lines ``VllmOutputFilter`` keeps (vLLM's errors, Python tracebacks, the pipeline's own ``[name]`` lines), unless
+  EAGLE3_VLLM_VERBOSE=1 streams them all;
 * on timeout, on KeyboardInterrupt / task cancellation (any exception while waiting) the whole group gets SIGTERM,
   then SIGKILL after ``grace_s``; descendants that left the group (setsid) are found through psutil and killed too.
 
-    result = run_subprocess([python, "-m", "eagle3.validate.vllm_check", ...], env=env, timeout_s=900, log_prefix="[vllm] ")
-    result.check()  # raises SubprocessFailed naming the command, the exit status and the last output lines
+    result = run_subprocess([python, "-m", "eagle3.validate.vllm_check", ...], env=env, timeout_s=900, log_prefix="[vllm] ",
+                            log_file=work_dir / "vllm.log")
+    result.check()  # raises SubprocessFailed naming the command, the exit status, the log file and the last lines
 """
 
 from __future__ import annotations
@@ -21,13 +24,15 @@ import collections
 import contextlib
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import psutil
 
@@ -36,12 +41,27 @@ log = logging.getLogger("eagle3")
 _TAIL_LINES = 200  # output lines kept for the result and error messages
 _GUARD_POLL_S = 0.5  # how often the guard checks that our process is still alive
 
+# With a log file, "1" here streams every output line to the logger too (debugging a vLLM start, say). An
+# environment variable, not a setting: it can be flipped for one run (shell, worker environment) without editing
+# a config, and it never enters a stage's cache key.
+VERBOSE_ENV = "EAGLE3_VLLM_VERBOSE"
+
 # The guard runs with OUR interpreter (stdlib only), so it works whatever the command's interpreter is.
 # argv: <owner pid> <command...>. It is the process-group leader; the command inherits the group.
 _GUARD_SOURCE = r"""
 import os, signal, subprocess, sys
 owner = int(sys.argv[1])
 child = subprocess.Popen(sys.argv[2:])
+def owner_gone():
+    if os.getppid() != owner:  # we were reparented: the owner exited
+        return True
+    # A dying multi-threaded owner (SIGKILL) hands us to one of its other threads while they exit: getppid() still
+    # names it, but its main thread is already a zombie.
+    try:
+        with open(f"/proc/{owner}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return os.path.isdir("/proc/self")  # with procfs, no stat means no owner; without, getppid() is all we have
 def on_term(signum, frame):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group signal below reaches the guard too
     try:
@@ -56,10 +76,58 @@ while True:
         break
     except subprocess.TimeoutExpired:
         pass
-    if os.getppid() != owner:  # the owner died: nobody will ever wait for this group
+    if owner_gone():  # nobody will ever wait for this group
         os.killpg(os.getpgrp(), signal.SIGKILL)
+if owner_gone():  # the command ended (e.g. of EPIPE) as the owner died: its leftovers go with it
+    os.killpg(os.getpgrp(), signal.SIGKILL)
 sys.exit(rc if rc >= 0 else 128 - rc)
 """.replace("POLL_S", repr(_GUARD_POLL_S))
+
+
+class VllmOutputFilter:
+    """Which lines of a vLLM subprocess's output are worth the flow's logs; the rest stay in the log file.
+
+    Kept: vLLM log records at ERROR / CRITICAL, Python tracebacks (frames, the exception line and its indented
+    continuation, chained causes), bare exception lines (``torch.OutOfMemoryError: ...``) and the pipeline's own
+    lines, which our scripts print with a ``[name] `` prefix (``[vllm_check]``, ``[eagle3-vllm]``). Dropped:
+    vLLM's INFO / WARNING / DEBUG records, progress bars, library warnings, blank lines.
+
+    vLLM 0.32's record format, after an optional ``(ProcessName pid=N) `` prefix that vLLM also puts in front of
+    everything its child processes print: ``INFO 12-01 10:26:16 [model.py:733] message`` (continuation lines of a
+    multi-line message repeat the whole prefix). Tracebacks are followed per process prefix, so an engine core's
+    traceback interleaved with the main process's records stays whole. One instance per subprocess.
+    """
+
+    _PROCESS = re.compile(r"^(\([^()]* pid=\d+\) )?(\[rank\d+\]: )?")  # vLLM's and torch.distributed's prefixes
+    _RECORD = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d ")
+    _OWN = re.compile(r"^\[[A-Za-z][\w.-]*\] ")  # our scripts' "[vllm_check] ..." lines
+    _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)(:|$)")
+    _TRACEBACK = "Traceback (most recent call last)"
+    _CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+
+    def __init__(self) -> None:
+        # per process prefix: "frames" (inside a traceback) or "exception" (just after its exception line)
+        self._state: dict[str, str] = {}
+
+    def __call__(self, line: str) -> bool:
+        m = self._PROCESS.match(line)
+        who, body = m.group(0), line[m.end():]
+        if not body.strip():
+            return False
+        record = self._RECORD.match(body)
+        if record:
+            return record.group(1) in ("ERROR", "CRITICAL")
+        state = self._state.pop(who, None)
+        if body.startswith(self._TRACEBACK):
+            self._state[who] = "frames"
+            return True
+        if state == "frames":  # frames and code lines are indented; the first line that is not is the exception
+            self._state[who] = "frames" if body[0].isspace() else "exception"
+            return True
+        if state == "exception" and (body[0].isspace() or body.startswith(self._CHAINED)):
+            self._state[who] = "exception"  # an exception message's indented continuation, or a chained cause
+            return True
+        return bool(self._OWN.match(body) or self._EXCEPTION.match(body))
 
 
 class SubprocessFailed(RuntimeError):
@@ -76,16 +144,18 @@ class SubprocessResult:
     timed_out: bool
     seconds: float
     killed_pids: list[int] = field(default_factory=list)
+    log_file: str | None = None  # every output line, when run_subprocess was given one
 
     def check(self) -> SubprocessResult:
+        where = f"\n--- full output: {self.log_file} ---" if self.log_file else ""
         if self.timed_out:
             raise SubprocessFailed(
                 f"command timed out after {self.seconds:.0f} s and was killed with its process group: "
-                f"{_short(self.args)}\n--- last output ---\n{_last(self.stdout)}"
+                f"{_short(self.args)}{where}\n--- last output ---\n{_last(self.stdout)}"
             )
         if self.returncode != 0:
             raise SubprocessFailed(
-                f"command exited with status {self.returncode}: {_short(self.args)}\n--- last output ---\n"
+                f"command exited with status {self.returncode}: {_short(self.args)}{where}\n--- last output ---\n"
                 f"{_last(self.stdout)}"
             )
         return self
@@ -175,28 +245,62 @@ def run_subprocess(
     cwd: str | os.PathLike | None = None,
     logger: logging.Logger | None = None,
     grace_s: float = 5.0,
+    log_file: str | os.PathLike | None = None,
     pass_fds: Sequence[int] = (),
 ) -> SubprocessResult:
     """Run ``cmd`` (list of str) in its own process group; stream its output lines to ``logger`` (INFO).
 
     ``timeout_s``: wall-clock seconds before the group is killed (None: no limit); the result then has
     ``timed_out=True``. Any exception while waiting (KeyboardInterrupt, a cancelled task) kills the group and is
-    re-raised. Call ``.check()`` on the result to turn a failure into ``SubprocessFailed``. ``pass_fds`` (e.g. the
-    GPU lock's descriptors) stay open in the guard for as long as the group lives.
+    re-raised. Call ``.check()`` on the result to turn a failure into ``SubprocessFailed``.
+
+    ``log_file``: every line is appended there (after a header naming the command), and only the lines
+    ``VllmOutputFilter`` keeps reach ``logger``; $EAGLE3_VLLM_VERBOSE=1 sends every line to ``logger`` as well.
+    The file's path is logged first. The result's ``stdout`` tail always holds every line.
+
+    ``pass_fds``: descriptors that stay open in the guard (not in the command) as long as the group lives: a host
+    lock held through them is released only when the last process of the group is gone (see ``popen_guarded``).
     """
     logger = logger or log
     args = [str(a) for a in cmd]
     tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+    show: Callable[[str], bool] | None = None
+    sink = None
+    if log_file is not None:
+        log_file = Path(log_file)
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        # line-buffered (tail -f follows the run); the reader thread closes it at end of output
+        sink = open(log_file, "a", encoding="utf-8", errors="replace", buffering=1)  # noqa: SIM115
+        command = _short(args).replace("\n", "\\n")  # one header line, even for `python -c` code
+        sink.write(f"===== {time.strftime('%Y-%m-%d %H:%M:%S')} {command}\n")
+        verbose = os.environ.get(VERBOSE_ENV) == "1"
+        show = None if verbose else VllmOutputFilter()
+        logger.info("%sfull output in %s (%s)", log_prefix, log_file,
+                    f"{VERBOSE_ENV}=1: every line shown here too" if verbose else
+                    f"only errors, tracebacks and the pipeline's own lines shown here; {VERBOSE_ENV}=1 shows all")
     start = time.monotonic()
-    proc = popen_guarded(args, env=dict(env) if env is not None else None, cwd=cwd, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, bufsize=1, text=True, errors="replace", pass_fds=tuple(pass_fds))
+    try:
+        proc = popen_guarded(args, env=dict(env) if env is not None else None, cwd=cwd, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, bufsize=1, text=True, errors="replace",
+                             pass_fds=tuple(pass_fds))
+    except BaseException:
+        if sink is not None:
+            sink.close()
+        raise
 
     def pump() -> None:
         assert proc.stdout is not None
-        for line in proc.stdout:
-            line = line.rstrip("\n")
-            tail.append(line)
-            logger.info("%s%s", log_prefix, line)
+        try:
+            for line in proc.stdout:
+                line = line.rstrip("\n")
+                tail.append(line)
+                if sink is not None:
+                    sink.write(line + "\n")
+                if show is None or show(line):
+                    logger.info("%s%s", log_prefix, line)
+        finally:
+            if sink is not None:
+                sink.close()
 
     reader = threading.Thread(target=pump, name=f"subproc-{proc.pid}", daemon=True)
     reader.start()
@@ -230,4 +334,5 @@ def run_subprocess(
         timed_out=timed_out,
         seconds=time.monotonic() - start,
         killed_pids=killed,
+        log_file=str(log_file) if log_file is not None else None,
     )
