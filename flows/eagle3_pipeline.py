@@ -20,9 +20,11 @@ import os
 import sys
 from typing import Any
 
-# the library logs through the "eagle3" logger (progress lines, OOM halvings, skipped rows): route it into Prefect's
-# handlers so it reaches the console and the run's logs in the UI. Deployments set it in prefect.yaml's job env.
-os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "eagle3")
+from tasks.prefect_env import apply_prefect_env_defaults
+
+# before Prefect is imported (it reads them then): the "eagle3" logger into the run's logs, no telemetry, a startup
+# timeout for the temporary server that holds on a loaded machine, flow-run heartbeats (tasks/prefect_env.py)
+apply_prefect_env_defaults()
 
 from prefect import flow
 from pydantic import Field

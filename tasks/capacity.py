@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from prefect import task
-
 from eagle3.capacity import CapacityConfig, CapacityPlan, plan_capacity
 from eagle3.extract.config import ExtractConfig
 from eagle3.prepare import PreparedData
 from eagle3.regenerate.config import RegenerateConfig
 from eagle3.support.verifier import VerifierIdentity
 from tasks import artifacts
-from tasks.common import cache_key, produced_here, stage_dir
+from tasks.common import stage_dir, stage_task
 
 
-@task(name="plan-capacity", cache_key_fn=cache_key, persist_result=True, result_serializer="json")
+@stage_task("plan-capacity")
 def plan_capacity_task(cfg: CapacityConfig, extract: ExtractConfig, verifier: VerifierIdentity,
                        prepared: PreparedData, run_dir: str, regenerate: RegenerateConfig | None = None) -> CapacityPlan:
     """-> CapacityPlan (the store's resolved layout, bytes, free space, time) + plan.json.
@@ -26,4 +24,4 @@ def plan_capacity_task(cfg: CapacityConfig, extract: ExtractConfig, verifier: Ve
     plan = plan_capacity(cfg, extract, verifier, prepared, run_dir, out_dir, regenerate)
     artifacts.markdown("capacity-plan", f"# Capacity plan\n\n```\n{plan.summary}\n```\n",
                        description="Hidden-state store size, free space and time estimate")
-    return produced_here(plan)
+    return plan

@@ -14,6 +14,7 @@ the folder of other settings.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,7 @@ from eagle3.support.gpu import DeviceGuard, device_lock, is_oom_error, lock_name
 from eagle3.support.io import sha256_json
 from eagle3.support.settings import output_view
 from eagle3.support.verifier import VerifierIdentity, describe_verifier
+from tasks.logs import logs_from_all_threads
 
 
 def _canonical(value: Any, keep_resumable: bool) -> Any:
@@ -91,6 +93,22 @@ def produced_here(artifact: A) -> A:
         return with_producer(artifact, f"flow run {flow_run.name} ({flow_run.id})") if flow_run.id else artifact
     except Exception:  # noqa: BLE001 - outside a flow run (task.fn in tests): nothing to stamp
         return artifact
+
+
+def stage_task(name: str, oom_retries: int = 0):
+    """The decorator of every stage task: a Prefect task cached by content (``cache_key``) with its artifact
+    persisted as JSON, the log lines of all its threads routed to its run (tasks.logs), its artifact stamped with
+    the producing flow run, and ``oom_retries`` retries on out-of-memory errors only (each at a smaller batch)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def body(*args, **kwargs):
+            with logs_from_all_threads():
+                return produced_here(fn(*args, **kwargs))
+
+        return task(name=name, cache_key_fn=cache_key, persist_result=True, result_serializer="json",
+                    retries=oom_retries, retry_condition_fn=retry_on_oom_only if oom_retries else None)(body)
+
+    return wrap
 
 
 def run_stage(stage_task, **params) -> Artifact:

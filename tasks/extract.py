@@ -8,8 +8,6 @@ of an OOM retry) resumes into it.
 
 from __future__ import annotations
 
-from prefect import task
-
 from eagle3.capacity import CapacityPlan
 from eagle3.config import HostConfig
 from eagle3.extract.config import ExtractConfig
@@ -17,11 +15,10 @@ from eagle3.extract.stage import HiddenStates, extract_hidden_states
 from eagle3.prepare import PreparedData
 from eagle3.support.verifier import VerifierIdentity
 from tasks import artifacts
-from tasks.common import attempt_batch_scale, cache_key, gpu_guard, produced_here, retry_on_oom_only, stage_dir
+from tasks.common import attempt_batch_scale, gpu_guard, stage_dir, stage_task
 
 
-@task(name="extract-hidden-states", cache_key_fn=cache_key, persist_result=True, result_serializer="json",
-      retries=2, retry_condition_fn=retry_on_oom_only)
+@stage_task("extract-hidden-states", oom_retries=2)
 def extract_hidden_states_task(cfg: ExtractConfig, verifier: VerifierIdentity, prepared: PreparedData,
                                plan: CapacityPlan, run_dir: str, host: HostConfig | None = None) -> HiddenStates:
     """-> HiddenStates. ``plan`` (the capacity plan) only keys the cache.
@@ -48,5 +45,6 @@ def extract_hidden_states_task(cfg: ExtractConfig, verifier: VerifierIdentity, p
         {"metric": "bytes on disk (store)", "value": r.bytes_on_disk},
         {"metric": "tokens per second", "value": round(r.tokens_per_second, 1)},
         {"metric": "token budget history (padded tokens per batch)", "value": str(r.token_budget_history)},
+        *({"metric": "vLLM log (its whole output)", "value": path} for path in r.vllm_logs),
     ], description=f"Hidden states of shard {r.shard} into {r.store_path}")
-    return produced_here(r)
+    return r

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from prefect import task
-
 from eagle3.prepare import DataSources, PrepareConfig, PreparedData, prepare_data
 from eagle3.support.verifier import VerifierIdentity
 from tasks import artifacts
-from tasks.common import cache_key, produced_here, stage_dir
+from tasks.common import stage_dir, stage_task
 
 
-@task(name="prepare-data", cache_key_fn=cache_key, persist_result=True, result_serializer="json")
+@stage_task("prepare-data")
 def prepare_data_task(cfg: PrepareConfig, sources: DataSources, verifier: VerifierIdentity,
                       run_dir: str) -> PreparedData:
     """-> PreparedData. ``sources`` and ``verifier`` (their content fingerprints) key the cache."""
@@ -28,4 +26,4 @@ def prepare_data_task(cfg: PrepareConfig, sources: DataSources, verifier: Verifi
         *({"metric": f"length {b['min_tokens']}-{b['max_tokens']} tokens", "value": b["count"]}
           for b in stats.get("length_histogram", [])),
     ], description=f"Prepared dataset from {', '.join(cfg.sources)}")
-    return produced_here(prepared)
+    return prepared

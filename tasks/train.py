@@ -10,15 +10,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect import task
-
 from eagle3.config import HostConfig
 from eagle3.extract.stage import HiddenStates
 from eagle3.train.config import TrainConfig
 from eagle3.train.stage import DraftCheckpoint, train_draft
 from eagle3.vocab import VocabMapping
 from tasks import artifacts
-from tasks.common import attempt_batch_scale, cache_key, gpu_guard, produced_here, retry_on_oom_only, stage_dir
+from tasks.common import attempt_batch_scale, gpu_guard, stage_dir, stage_task
 
 
 def oom_retry_accum(cfg: TrainConfig, scale: float) -> int:
@@ -31,8 +29,7 @@ def oom_retry_accum(cfg: TrainConfig, scale: float) -> int:
     return accum
 
 
-@task(name="train-draft", cache_key_fn=cache_key, persist_result=True, result_serializer="json",
-      retries=2, retry_condition_fn=retry_on_oom_only)
+@stage_task("train-draft", oom_retries=2)
 def train_draft_task(cfg: TrainConfig, store: HiddenStates, vocab: VocabMapping, run_dir: str,
                      host: HostConfig | None = None) -> DraftCheckpoint:
     """-> DraftCheckpoint: the best epoch's checkpoint + the sha256 of its weights, metrics and curves."""
@@ -57,4 +54,4 @@ def train_draft_task(cfg: TrainConfig, store: HiddenStates, vocab: VocabMapping,
     if r.plots:
         artifacts.markdown("train-curves", "\n\n".join(artifacts.image_markdown(p, Path(p).stem) for p in r.plots),
                            description="Training loss / accuracy / acceptance curves")
-    return produced_here(r)
+    return r

@@ -17,7 +17,8 @@ from eagle3.train.stage import DraftCheckpoint
 from eagle3.validate.config import ValidateConfig
 from eagle3.validate.stage import ValidationReport, validate_draft
 from tasks import artifacts
-from tasks.common import cache_key, gpu_guard, produced_here, stage_dir
+from tasks.common import gpu_guard, stage_dir, stage_task
+from tasks.logs import logs_from_all_threads
 
 
 def publish(report: ValidationReport) -> None:
@@ -30,6 +31,8 @@ def publish(report: ValidationReport) -> None:
                  for i, r in enumerate(report.per_position_acceptance or [])]
         rows += [{"figure": "lossless", "value": report.lossless}]
     rows += [{"figure": "reason", "value": r} for r in report.reasons]
+    if report.vllm_log:
+        rows += [{"figure": "vLLM log (its whole output)", "value": report.vllm_log}]
     artifacts.table("validation-acceptance", rows, description=f"EAGLE-3 draft validation: {report.verdict}")
     md = Path(report.report_md).read_text()
     if report.acceptance_png:
@@ -43,13 +46,14 @@ def validate_checkpoint_task(cfg: ValidateConfig, draft_dir: str, verifier_path:
                              out_dir: str, host: HostConfig | None = None) -> ValidationReport:
     """Any checkpoint folder: structural check -> vLLM check -> offline parity (if enabled) -> report files in
     ``out_dir``. ``prompts_path`` None = ``cfg.prompts_path``."""
-    report = validate_draft(ValidateConfig.model_validate(cfg), draft_dir, out_dir, verifier=verifier_path,
-                            prompts_path=prompts_path, guard=gpu_guard(host))
-    publish(report)
-    return produced_here(report)
+    with logs_from_all_threads():
+        report = validate_draft(ValidateConfig.model_validate(cfg), draft_dir, out_dir, verifier=verifier_path,
+                                prompts_path=prompts_path, guard=gpu_guard(host))
+        publish(report)
+    return report
 
 
-@task(name="validate-draft", cache_key_fn=cache_key, persist_result=True, result_serializer="json")
+@stage_task("validate-draft")
 def validate_draft_task(cfg: ValidateConfig, checkpoint: DraftCheckpoint, prompts: DataSources, run_dir: str,
                         host: HostConfig | None = None) -> ValidationReport:
     """The pipeline stage: the train stage's checkpoint against its verifier on the prompts of ``prompts`` (their
@@ -59,4 +63,4 @@ def validate_draft_task(cfg: ValidateConfig, checkpoint: DraftCheckpoint, prompt
     report = validate_draft(ValidateConfig.model_validate(cfg), checkpoint, out_dir,
                             prompts_path=prompts.sources[0], guard=gpu_guard(host))
     publish(report)
-    return produced_here(report)
+    return report

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from prefect import task
-
 from eagle3.prepare import PreparedData
 from eagle3.support.verifier import VerifierIdentity
 from eagle3.vocab import VocabConfig, VocabMapping, build_vocab
 from tasks import artifacts
-from tasks.common import cache_key, produced_here, stage_dir
+from tasks.common import stage_dir, stage_task
 
 
-@task(name="build-vocab", cache_key_fn=cache_key, persist_result=True, result_serializer="json")
+@stage_task("build-vocab")
 def build_vocab_task(cfg: VocabConfig, verifier: VerifierIdentity, prepared: PreparedData,
                      run_dir: str) -> VocabMapping:
     """-> VocabMapping: mapping.safetensors (d2t, t2d) + report.json, coverage of assistant-token occurrences."""
@@ -25,4 +23,4 @@ def build_vocab_task(cfg: VocabConfig, verifier: VerifierIdentity, prepared: Pre
         {"metric": "assistant-token occurrences", "value": vocab.assistant_token_occurrences},
         {"metric": "coverage of occurrences", "value": round(vocab.coverage, 6)},
     ], description="Draft vocabulary coverage")
-    return produced_here(vocab)
+    return vocab

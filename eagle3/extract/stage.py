@@ -103,6 +103,8 @@ class HiddenStates(Artifact):
     token_budget_history: list[int] = Field(description="Padded tokens per batch, after each OOM halving.")
     temp_files_removed: int = Field(0, description="Crash leftovers of this shard removed on resume.")
     manifest_entries_dropped: int = Field(0, description="Manifest entries dropped on resume (bad files).")
+    vllm_logs: list[str] = Field(default_factory=list, description="vLLM backend: the whole output of each driver "
+                                 "start of this run (the logs carry vLLM's errors and the driver's own lines).")
 
     def outputs(self) -> list[str]:
         return [self.store_path]
@@ -381,7 +383,7 @@ def extract_hidden_states(
         tokens_per_second=tokens_written / extract_s if extract_s > 0 else 0.0, extract_seconds=extract_s,
         model_load_seconds=stats["model_load_seconds"], model_loads=stats["model_loads"],
         token_budget_history=stats["token_budget_history"], temp_files_removed=temps_removed,
-        manifest_entries_dropped=dropped,
+        manifest_entries_dropped=dropped, vllm_logs=stats.get("vllm_logs", []),
     )
     result.save()
     log.info("extract: done: %d samples written (%s tokens, %s bytes) at %s tok/s, %d resumed, %d unfittable "

@@ -17,7 +17,7 @@ import contextlib
 import json
 import logging
 import os
-import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from eagle3.extract.config import ExtractConfig
 from eagle3.extract.store import MANIFEST
 from eagle3.support.gpu import OutOfMemoryAfterRetries, is_oom_text
 from eagle3.support.paths import vllm_python, vllm_subprocess_env
-from eagle3.support.subproc import kill_process_tree, popen_guarded
+from eagle3.support.subproc import run_subprocess
 from eagle3.support.verifier import VerifierSpec
 
 log = logging.getLogger("eagle3.extract")
@@ -63,6 +63,16 @@ class _ManifestTail:
         self.path = path
         st = path.stat() if path.exists() else None
         self.offset, self.inode = (st.st_size, st.st_ino) if st else (0, None)
+
+    def new_entries_pending(self) -> bool:
+        """True while complete lines beyond the read offset remain (the follower drains them before it stops)."""
+        if not self.path.exists():
+            return False
+        with open(self.path, "rb") as f:
+            if os.fstat(f.fileno()).st_ino != self.inode:
+                return True  # rewritten: new_entries re-reads it
+            f.seek(self.offset)
+            return b"\n" in f.read()
 
     def new_entries(self) -> list[dict[str, Any]]:
         if not self.path.exists():
@@ -124,6 +134,7 @@ def run_vllm(
             job_file = work / f"job-{os.getpid()}.json"
             job_file.write_text(json.dumps(job, indent=2))
             log_file = work / f"vllm-{os.getpid()}-{attempt}.log"
+            stats.setdefault("vllm_logs", []).append(str(log_file))
             log.info("vLLM backend: starting %s -m eagle3.extract.vllm_worker (attempt %d, %d samples, budget %s "
                      "padded tokens per step, tensor_parallel_size %d); log %s", python, attempt, len(remaining),
                      f"{budget:,}", cfg.tensor_parallel_size, log_file)
@@ -156,36 +167,38 @@ def run_vllm(
 def _run_driver(python: str, job_file: Path, log_file: Path, store_dir: Path, remaining: dict[int, int],
                 stats: dict[str, Any], progress, lock_fds: list[int],
                 timeout_seconds: float) -> int:
+    """Run the driver (its own process group under the guard, which holds the lock fds as long as the group lives:
+    vLLM's engine core has no parent-death check of its own); vLLM's output goes to ``log_file``, its errors and
+    our own lines to the log; a thread follows the manifest for progress meanwhile."""
     tail = _ManifestTail(store_dir / MANIFEST)
-    with open(log_file, "wb") as out:
-        # own process group under a guard that kills it when this process dies (a SIGKILLed cancellation): vLLM's
-        # engine core has no parent-death check of its own. The guard holds the lock fds as long as the group lives.
-        proc = popen_guarded([python, "-m", "eagle3.extract.vllm_worker", str(job_file)], stdout=out,
-                             stderr=subprocess.STDOUT, env=vllm_subprocess_env(), pass_fds=tuple(lock_fds))
-        deadline = time.monotonic() + timeout_seconds if timeout_seconds > 0 else float("inf")
-        try:
-            while True:
-                rc = proc.poll()
-                for e in tail.new_entries():
-                    if remaining.pop(int(e["index"]), None) is not None:
-                        if not stats["samples_written"]:
-                            progress.restart()  # first sample: the model is loaded, start the tok/s clock
-                        stats["samples_written"] += 1
-                        stats["bytes_written"] += int(e.get("bytes", 0))
-                        progress.update(1, int(e["tokens"]))
-                if rc is not None:
-                    return rc
-                if time.monotonic() > deadline:
-                    raise VllmExtractionError(f"vLLM extraction exceeded vllm_timeout_seconds={timeout_seconds:.0f}; "
-                                              f"killed its process group {proc.pid}; log {log_file}")
-                time.sleep(0.5)
-        finally:
-            if proc.poll() is None:
-                kill_process_tree(proc.pid, 10.0)
-            proc.wait()
-            with contextlib.suppress(ProcessLookupError):  # anything the driver left in its group goes too
-                os.killpg(proc.pid, 0)
-                kill_process_tree(proc.pid, 10.0)
+    stop = threading.Event()
+
+    def follow() -> None:
+        while True:
+            for e in tail.new_entries():
+                if remaining.pop(int(e["index"]), None) is not None:
+                    if not stats["samples_written"]:
+                        progress.restart()  # first sample: the model is loaded, start the tok/s clock
+                    stats["samples_written"] += 1
+                    stats["bytes_written"] += int(e.get("bytes", 0))
+                    progress.update(1, int(e["tokens"]))
+            if stop.is_set() and not tail.new_entries_pending():  # the driver ended and every line was read
+                return
+            stop.wait(0.5)
+
+    follower = threading.Thread(target=follow, name="eagle3-vllm-manifest", daemon=True)
+    follower.start()
+    try:
+        result = run_subprocess([python, "-m", "eagle3.extract.vllm_worker", str(job_file)], env=vllm_subprocess_env(),
+                                timeout_s=timeout_seconds or None, log_prefix="[vllm] ", log_file=log_file,
+                                pass_fds=lock_fds, grace_s=10.0)
+    finally:
+        stop.set()
+        follower.join(timeout=30)
+    if result.timed_out:
+        raise VllmExtractionError(f"vLLM extraction exceeded vllm_timeout_seconds={timeout_seconds:.0f}; killed its "
+                                  f"process group; log {log_file}")
+    return result.returncode
 
 
 def _tail(path: Path, lines: int = 40) -> str:

@@ -44,6 +44,7 @@ log = logging.getLogger("eagle3")
 JOURNAL = "journal.jsonl"
 CONVERSATIONS = "conversations.jsonl"
 STATS = "stats.json"
+VLLM_LOG = "vllm.log"  # everything vLLM printed (the logs carry its errors and the driver's own lines)
 _FIRST_NAMED = 20  # dropped rows named per reason in the stats
 
 
@@ -57,6 +58,7 @@ class RegeneratedData(Artifact):
     stage: ClassVar[str] = "regenerate"
 
     conversations_path: str = Field(description="conversations.jsonl: OpenAI-format rows, the prepared order.")
+    vllm_log: str | None = Field(description="vLLM's whole output of the last invocation that generated.")
     stats_path: str = Field(description="stats.json: the counts below plus the dropped rows by name.")
     rows_in: int = Field(description="Conversations to regenerate (the rows the prepare stage kept).")
     rows_written: int = Field(description="Conversations written with every assistant turn regenerated.")
@@ -154,7 +156,7 @@ def regenerate(cfg: RegenerateConfig, prepared: PreparedData, prepare_cfg: Prepa
         with (guard or file_lock_guard(logger=log))(cuda_device_ids(count=cfg.tensor_parallel_size)) as fds, \
                 _follow_journal(journal, progress):
             result = run_subprocess(cmd, env=vllm_subprocess_env(), timeout_s=cfg.timeout_s or None,
-                                    log_prefix="[vllm] ", cwd=REPO_ROOT, pass_fds=fds)
+                                    log_prefix="[vllm] ", cwd=REPO_ROOT, log_file=out_dir / VLLM_LOG, pass_fds=fds)
         if result.returncode == 3:
             raise OutOfMemoryAfterRetries(f"regeneration ran out of memory at the batch floor (min_batch_rows "
                                           f"{cfg.min_batch_rows}); last output:\n{result.stdout[-3000:]}")
@@ -236,7 +238,9 @@ def _finish(cfg: RegenerateConfig, rows: list[dict], journal: dict[int, dict], r
                                                      "oom_halvings": stats.get("oom_halvings", 0)})
     log.info("[regenerate] done: %d of %d conversations, %d turns (%d cut at max_new_tokens), %s tokens, %.1f tok/s",
              len(written), len(rows), turns, cut, f"{tokens:,}", summary["tokens_per_second"])
+    log_file = out_dir / VLLM_LOG
     artifact = RegeneratedData(out_dir=str(out_dir), fingerprint=sha256_file(conversations),
-                               conversations_path=str(conversations), stats_path=str(stats_path), **summary)
+                               conversations_path=str(conversations), stats_path=str(stats_path),
+                               vllm_log=str(log_file) if log_file.is_file() else None, **summary)
     artifact.save()
     return artifact

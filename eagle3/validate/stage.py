@@ -41,6 +41,8 @@ from eagle3.validate.vllm_check import read_prompt_messages
 
 log = logging.getLogger("eagle3")
 
+VLLM_LOG = "vllm.log"  # everything vLLM printed, in <out_dir>/vllm/ (the logs carry its errors and our own lines)
+
 # ----------------------------------------------------------------------------- 2. vLLM check
 
 
@@ -69,7 +71,7 @@ def run_vllm_check(cfg: ValidateConfig, verifier_path: str | os.PathLike, draft_
     cmd = [vllm_python(cfg.vllm_python), "-m", "eagle3.validate.vllm_check", "--args-json", str(args_file)]
     log.info("[validate] vLLM check: %s", " ".join(cmd))
     run_subprocess(cmd, env=env, timeout_s=cfg.timeout_s, log_prefix="[vllm] ", cwd=REPO_ROOT,
-                   pass_fds=lock_fds).check()
+                   log_file=work_dir / VLLM_LOG, pass_fds=lock_fds).check()
     return json.loads(out.read_text())
 
 
@@ -104,6 +106,7 @@ class ValidationReport(Artifact):
     report_json: str = Field(description="report.json: every check and figure.")
     report_md: str = Field(description="report.md: the same as markdown tables.")
     acceptance_png: str | None = Field(description="Per-position acceptance chart (when vLLM measured it).")
+    vllm_log: str | None = Field(description="vLLM's whole output (when vLLM ran).")
     checkpoint_dir: str = Field(description="The draft checkpoint validated.")
     weights_sha256: str | None = Field(description="sha256 of its model.safetensors, as validated.")
     verdict: Literal["pass", "fail"] = Field(description="'pass' when no reason was found to fail.")
@@ -244,7 +247,9 @@ def validate_draft(cfg: ValidateConfig, checkpoint: DraftCheckpoint | str | os.P
     offline = report.get("offline") or {}
     artifact = ValidationReport(
         out_dir=str(out_dir), fingerprint=sha256_file(paths["report_json"]), report_json=paths["report_json"],
-        report_md=paths["report_md"], acceptance_png=paths.get("acceptance_png"), checkpoint_dir=str(draft_dir),
+        report_md=paths["report_md"], acceptance_png=paths.get("acceptance_png"),
+        vllm_log=str(out_dir / "vllm" / VLLM_LOG) if (out_dir / "vllm" / VLLM_LOG).is_file() else None,
+        checkpoint_dir=str(draft_dir),
         weights_sha256=report.get("weights_sha256"), verdict=report["verdict"], reasons=reasons,
         structural_ok=structural.ok, failure_codes=structural.codes, lossless=vllm.get("lossless"),
         mean_acceptance_length=acc.get("mean_acceptance_length"),
