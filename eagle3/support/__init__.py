@@ -1,0 +1,1 @@
+"""Support modules shared by the stages: files, paths, dtypes, the verifier, GPUs, subprocesses, progress."""
