@@ -5,8 +5,9 @@
 What extraction runs: the decoder (``model.model``, no lm_head) under inference_mode with an attention mask, over a
 token-budget batch. ``--rows R`` splits ``--tokens`` into R rows; row r is shortened by (r % 4) / 16 of its width
 and right-padded, so batches of R > 1 carry ~9% padding (a 4-D mask), as length-sorted token-budget batches do.
-Cases alternate (dtype inner) so each pair sees the same machine load; the best of ``--repeat`` timed runs after one warm-up is printed, and the
-ratio bf16 / float32 tokens per second. Also printed: the signals a "native bf16 matmul" rule could read.
+Cases alternate (dtype inner) so each pair sees the same machine load; the best of ``--repeat`` timed runs after
+one warm-up is printed, and the ratio bf16 / float32 tokens per second. Also printed: the signals a "native bf16
+matmul" rule could read.
 Needs the converted verifier (scripts/setup_envs.sh -> models/smollm2-135m-instruct).
 """
 
