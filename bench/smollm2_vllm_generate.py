@@ -1,0 +1,71 @@
+"""Greedy generation with SmolLM2 in vLLM on CPU, as the regeneration stage would run it (sizing, not a target).
+
+    .venv-vllm/bin/python bench/smollm2_vllm_generate.py [--cases 16x128 64x256] [--repetition-penalty 1.0]
+
+Each case NxM generates greedy answers to the first N bundled training prompts (first user turn, chat template)
+with max_tokens M, in one engine. Printed per case: wall time, output tok/s, mean generated length, how many answers
+hit max_tokens, how many of those end in an exact token loop (the last 128 tokens repeat with a period < 64), and
+the mean length of the original answers. Needs models/smollm2-135m-instruct (scripts/setup_envs.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the vLLM environment does not install this checkout
+TRAIN = REPO / "data" / "stdlib-chat" / "train.openai.jsonl"
+LOOP_TAIL_TOKENS = 128
+
+
+def loops(ids: list[int], tail: int = LOOP_TAIL_TOKENS) -> bool:
+    """The last ``tail`` tokens are one period (< tail / 2 tokens) repeated: greedy decoding stuck in a loop."""
+    t = ids[-tail:]
+    return len(t) == tail and any(t[:-p] == t[p:] for p in range(1, tail // 2))
+
+
+def main() -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from eagle3.support.gguf_convert import SMOLLM2_DIR
+    from eagle3.validate.vllm_check import load_tokenizer, prompt_token_ids, read_prompt_messages
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", nargs="+", default=["16x128", "16x256", "64x128", "64x256"],
+                    help="NxM: N prompts, max_tokens M")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0)
+    ns = ap.parse_args()
+    cases = [tuple(map(int, c.split("x"))) for c in ns.cases]
+    n_max = max(n for n, _ in cases)
+    tok = load_tokenizer(SMOLLM2_DIR)
+    prompts = prompt_token_ids(tok, read_prompt_messages(TRAIN, n_max))
+    with TRAIN.open() as f:
+        original = [len(tok(next(m["content"] for m in json.loads(line)["messages"] if m["role"] == "assistant"))
+                        ["input_ids"]) for line, _ in zip(f, range(n_max))]
+    print(f"load {os.getloadavg()}", flush=True)
+    t = time.monotonic()
+    llm = LLM(model=str(SMOLLM2_DIR), dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
+              distributed_executor_backend="uni")
+    print(f"engine start {time.monotonic() - t:.1f} s, load {os.getloadavg()}", flush=True)
+    for n, max_tokens in cases:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, repetition_penalty=ns.repetition_penalty)
+        t = time.monotonic()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:n]], params, use_tqdm=False)
+        s = time.monotonic() - t
+        ids = [list(o.outputs[0].token_ids) for o in outs]
+        capped = [i for i, o in zip(ids, outs) if o.outputs[0].finish_reason == "length"]
+        total = sum(map(len, ids))
+        print(f"{n} prompts x max_tokens {max_tokens}: {s:.1f} s, {total / s:.1f} out tok/s, mean length "
+              f"{total / n:.1f}, hit max_tokens {len(capped)}/{n} ({sum(map(loops, capped))} in a loop); original "
+              f"answers {sum(original[:n]) / n:.1f} tokens; load {os.getloadavg()[0]:.2f}", flush=True)
+
+
+if __name__ == "__main__":  # vLLM spawns worker processes: keep the entry point guarded
+    main()
