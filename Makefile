@@ -1,5 +1,5 @@
 # The two commands of the README. Both create the environments first (idempotent; scripts/setup_envs.sh).
-.PHONY: setup demo test lint
+.PHONY: setup demo demo-real test test-fast lint
 PY := .venv/bin/python
 
 setup:
@@ -7,6 +7,9 @@ setup:
 
 demo: setup
 	$(PY) -m flows.eagle3_pipeline --preset tiny
+
+demo-real: setup
+	$(PY) -m flows.eagle3_pipeline --preset smollm2
 
 test: setup
 	$(PY) -m pytest -q

@@ -30,6 +30,9 @@ def publish(report: ValidationReport) -> None:
         rows += [{"figure": f"acceptance at position {i + 1}", "value": round(r, 4)}
                  for i, r in enumerate(report.per_position_acceptance or [])]
         rows += [{"figure": "lossless", "value": report.lossless}]
+        if report.decode_speedup is not None:
+            rows += [{"figure": "decoding speedup (output tokens/s with / without the draft)",
+                      "value": round(report.decode_speedup, 3)}]
     rows += [{"figure": "reason", "value": r} for r in report.reasons]
     if report.vllm_log:
         rows += [{"figure": "vLLM log (its whole output)", "value": report.vllm_log}]

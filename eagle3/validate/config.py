@@ -49,6 +49,10 @@ class ValidateConfig(BaseModel):
     offline_reference: bool = Field(
         False, description="Also run the offline reference (transformers verifier + our draft, eagle3.validate.specdec) on "
         "the same prompts and compare. Needs the verifier to fit in this process: tiny verifiers only.")
+    speed_repeats: int = Field(
+        3, ge=0, description="Timed decodes of the same prompts with and without the draft (on warm engines) for the "
+        "decoding speedup = median output tokens/s with the draft / without; 0 = not measured. Reported, never "
+        "gated (on CPU the ratio is noisy, and a draft pays off there only at a high acceptance length).")
     parity_tolerance: float = Field(
         0.10, gt=0, description="Largest relative difference between offline and vLLM mean acceptance length "
         "(fraction, 0.10 = 10%).")

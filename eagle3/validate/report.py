@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,13 @@ def render_markdown(report: dict[str, Any]) -> str:
                          lambda a: f"{a['num_accepted_tokens']} / {a['num_draft_tokens']}"))
         lossless = "yes" if v.get("lossless") else "NO"
         lines += ["", f"- lossless (speculative output identical to plain greedy): {lossless}"]
+        sp = v.get("speed") or {}
+        if sp.get("speedup") is not None:
+            med = statistics.median
+            lines.append(f"- decoding speed: {med(sp['draft_output_tokens_per_second']):.1f} output tokens/s with the "
+                         f"draft vs {med(sp['baseline_output_tokens_per_second']):.1f} without (medians of "
+                         f"{sp['repeats']} repeats): speedup **{sp['speedup']:.3f}x** (reported, not gated; on CPU a "
+                         f"draft pays off only at a high acceptance length)")
         if off:
             lines.append(f"- offline vs vLLM mean acceptance length: "
                          f"{_fmt(report['offline'].get('relative_difference'))} relative difference")

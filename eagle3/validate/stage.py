@@ -64,7 +64,7 @@ def run_vllm_check(cfg: ValidateConfig, verifier_path: str | os.PathLike, draft_
         "max_new_tokens": cfg.max_new_tokens, "num_speculative_tokens": cfg.num_speculative_tokens,
         "tensor_parallel_size": cfg.tensor_parallel_size, "dtype": cfg.dtype, "max_model_len": cfg.max_model_len,
         "gpu_memory_utilization": cfg.gpu_memory_utilization, "enforce_eager": cfg.enforce_eager,
-        "trust_remote_code": cfg.trust_remote_code, "seed": 0, "out": str(out),
+        "trust_remote_code": cfg.trust_remote_code, "seed": 0, "speed_repeats": cfg.speed_repeats, "out": str(out),
     }
     args_file = atomic_write_json(work_dir / "vllm_args.json", args)
     env = vllm_subprocess_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if cfg.engine_in_process else None)
@@ -121,6 +121,8 @@ class ValidationReport(Artifact):
     untrained_mean_acceptance_length: float | None = Field(description="The same for the untrained draft.")
     offline_mean_acceptance_length: float | None = Field(description="The offline reference loop's figure.")
     offline_relative_difference: float | None = Field(description="|offline - vLLM| / vLLM.")
+    decode_speedup: float | None = Field(description="vLLM output tokens/s with the draft / without (medians of "
+                                         "speed_repeats decodes of the same prompts); reported, not gated.")
 
     def outputs(self) -> list[str]:
         return [self.report_json, self.report_md]
@@ -201,6 +203,9 @@ def validate_draft(cfg: ValidateConfig, checkpoint: DraftCheckpoint | str | os.P
                 "baseline_generate_seconds": result["baseline"]["generate_seconds"],
                 "num_prompts": len(result["prompt_token_ids"]), "samples": [
                     {"prompt": i, "text": t[:300]} for i, t in enumerate(d["texts"][:3])],
+                "speed": {"repeats": cfg.speed_repeats, "speedup": d.get("speedup"),
+                          "draft_output_tokens_per_second": d["output_tokens_per_second"],
+                          "baseline_output_tokens_per_second": result["baseline"]["output_tokens_per_second"]},
             }
             if cfg.compare_untrained:
                 u = result["drafts"][1]
@@ -256,6 +261,7 @@ def validate_draft(cfg: ValidateConfig, checkpoint: DraftCheckpoint | str | os.P
         per_position_acceptance=acc.get("per_position_acceptance"),
         untrained_mean_acceptance_length=untrained.get("mean_acceptance_length"),
         offline_mean_acceptance_length=(offline.get("acceptance") or {}).get("mean_acceptance_length"),
-        offline_relative_difference=offline.get("relative_difference"))
+        offline_relative_difference=offline.get("relative_difference"),
+        decode_speedup=(vllm.get("speed") or {}).get("speedup"))
     artifact.save()
     return artifact

@@ -33,6 +33,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -238,6 +239,12 @@ def _generate(args: dict[str, Any], prompts: list[list[int]], draft: str | None)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     gen_s = time.monotonic() - t0
     stats = _minus(acceptance_from_metrics(llm.get_metrics(), k), before)
+    # decode speed: the same prompts again on the warm engine, ``speed_repeats`` times (output tokens / second)
+    speed = []
+    for _ in range(int(args.get("speed_repeats", 0))):
+        t0 = time.monotonic()
+        again = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        speed.append(sum(len(o.outputs[0].token_ids) for o in again) / (time.monotonic() - t0))
     result = {
         "draft": draft,
         "engine_start_seconds": start_s,
@@ -246,6 +253,7 @@ def _generate(args: dict[str, Any], prompts: list[list[int]], draft: str | None)
         "texts": [o.outputs[0].text for o in outputs],
         "finish_reasons": [o.outputs[0].finish_reason for o in outputs],
         "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+        "output_tokens_per_second": speed,
     }
     if draft is not None:
         result["acceptance"] = stats.to_dict()
@@ -282,7 +290,10 @@ def run_check(args: dict[str, Any]) -> dict[str, Any]:
          f"{args['prompts_path']}")
     drafts = [_generate(args, prompts, d) for d in args["drafts"]]
     baseline = _generate(args, prompts, None)
+    base_speed = baseline["output_tokens_per_second"]
     for d in drafts:
+        if d["output_tokens_per_second"] and base_speed:  # the decoding speedup: medians of the repeats
+            d["speedup"] = statistics.median(d["output_tokens_per_second"]) / statistics.median(base_speed)
         mismatches = []
         for i, (a, b) in enumerate(zip(d["token_ids"], baseline["token_ids"])):
             j = first_difference(a, b)
