@@ -111,6 +111,17 @@ def _sample_at(first: int, lengths: np.ndarray, pos: int) -> int:
     return first + int(np.searchsorted(np.cumsum(lengths), pos, side="right"))
 
 
+def tables_for(kept: torch.Tensor, target_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The vLLM tables of a draft vocabulary given as its target ids ``kept`` [draft_vocab] (ascending):
+    d2t [draft_vocab] int64 offsets (target = draft id + d2t) and t2d [target_vocab] bool."""
+    kept = torch.as_tensor(kept, dtype=torch.int64)
+    d2t = kept - torch.arange(len(kept), dtype=torch.int64)  # [draft_vocab]
+    t2d = torch.zeros(target_vocab_size, dtype=torch.bool)  # [target_vocab]
+    t2d[kept] = True
+    _check_mapping(d2t, t2d, Path("<tables_for>"))
+    return d2t, t2d
+
+
 def build_vocab_mapping(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Top ``draft_vocab_size`` ids of ``counts`` [target_vocab] -> (d2t [draft_vocab] int64, t2d [target_vocab] bool,
     report).
@@ -132,9 +143,7 @@ def build_vocab_mapping(counts: torch.Tensor, draft_vocab_size: int) -> tuple[to
     # stable sort keeps ascending id order among equal counts -> the tie-break "lower id first"
     order = torch.sort(counts, descending=True, stable=True).indices  # [target_vocab]
     kept = torch.sort(order[:draft_vocab_size]).values  # [draft_vocab] target ids, ascending
-    d2t = kept - torch.arange(draft_vocab_size, dtype=torch.int64)  # [draft_vocab]
-    t2d = torch.zeros(target_vocab_size, dtype=torch.bool)  # [target_vocab]
-    t2d[kept] = True
+    d2t, t2d = tables_for(kept, target_vocab_size)
 
     distinct = int((counts > 0).sum())
     covered = int(counts[kept].sum())

@@ -121,6 +121,32 @@ def save_kimi_like_target(out: Path, seed: int = 0, shard_size: str = "200KB") -
     return out
 
 
+def vocab_tables(vocab: int, draft_vocab: int, seed: int | None = 0, kept=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) of a draft vocabulary: the target ids ``kept`` (ascending), else ``draft_vocab`` random ids
+    (``seed``), else (seed None) every other id 0, 2, 4, ...; built by the library's one owner, eagle3.vocab."""
+    from eagle3.vocab import tables_for
+
+    if kept is None:
+        kept = (torch.arange(0, 2 * draft_vocab, 2) if seed is None else
+                torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:draft_vocab].sort().values)
+    return tables_for(torch.as_tensor(kept), vocab)
+
+
+def make_dataset(path: Path, lengths: list[int], vocab: int, seed: int = 0) -> Path:
+    """A prepared-dataset folder (the prepare stage's Arrow layout) of random token ids; the last two thirds of
+    each sample are loss-masked (assistant)."""
+    import datasets
+
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+    mask = [[int(j >= n // 3) for j in range(n)] for n in lengths]
+    ds = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": mask},
+                                    features=datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
+                                                                "loss_mask": datasets.Sequence(datasets.Value("int8"))}))
+    ds.save_to_disk(str(path))
+    return path
+
+
 @pytest.fixture(scope="session", autouse=True)
 def private_lock_dir(tmp_path_factory):
     """Every test's GPU/host locks in a folder of its own: parallel test runs (other checkouts) never contend."""

@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 import torch
+from conftest import vocab_tables
 from safetensors import safe_open
 
 from eagle3.draft import checkpoint as ckpt
@@ -25,11 +26,9 @@ CONTRACT = {
 
 def _draft(verifier, dtype: str = "bfloat16", draft_vocab: int = 256) -> Eagle3Draft:
     spec = VerifierSpec.from_path(verifier)
-    kept = torch.arange(0, 2 * draft_vocab, 2)
-    t2d = torch.zeros(spec.vocab_size, dtype=torch.bool)
-    t2d[kept] = True
+    d2t, t2d = vocab_tables(spec.vocab_size, draft_vocab, seed=None)
     cfg = DraftConfig.build(spec, draft_vocab, [1, 2, 3], torch_dtype=dtype)
-    return Eagle3Draft.from_verifier(cfg, verifier, kept - torch.arange(draft_vocab), t2d)
+    return Eagle3Draft.from_verifier(cfg, verifier, d2t, t2d)
 
 
 def test_vllm_folder_layout_dtype_and_provenance(tiny_llama_verifier, tmp_path):

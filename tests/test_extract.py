@@ -9,6 +9,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+from conftest import make_dataset
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -17,18 +18,6 @@ from eagle3.extract.stage import ExtractError, extract_hidden_states
 from eagle3.extract.store import MANIFEST, HiddenStateStore, StoreError
 from eagle3.support.gpu import OutOfMemoryAfterRetries, is_oom_error
 from eagle3.support.verifier import VerifierError, load_verifier_head
-
-
-def make_dataset(path: Path, lengths: list[int], vocab: int, seed: int = 0) -> Path:
-    g = torch.Generator().manual_seed(seed)
-    ids = [torch.randint(0, vocab, (n,), generator=g).to(torch.int32).tolist() for n in lengths]
-    mask = [[int(j >= n // 3) for j in range(n)] for n in lengths]
-    ds = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": mask},
-                                    features=datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
-                                                                "loss_mask": datasets.Sequence(datasets.Value("int8"))}))
-    ds.save_to_disk(str(path))
-    return path
-
 
 LENGTHS = [37, 5, 64, 12, 50, 3, 29, 41, 8, 60]
 

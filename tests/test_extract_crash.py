@@ -13,7 +13,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from test_extract import make_dataset
+from conftest import make_dataset
 
 from eagle3.extract.stage import extract_hidden_states
 from eagle3.extract.store import MANIFEST, HiddenStateStore

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from test_extract import make_dataset
+from conftest import make_dataset
 
 from eagle3.extract.stage import extract_hidden_states
 from eagle3.extract.store import HiddenStateStore

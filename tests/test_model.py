@@ -6,16 +6,12 @@ import math
 
 import pytest
 import torch
+from conftest import vocab_tables
 
 from eagle3.draft.model import DraftArchitecture, DraftConfig, DraftConfigError, Eagle3Draft
 from eagle3.support.verifier import VerifierSpec, load_verifier_head
 
-
-def _mapping(vocab: int, draft_vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    kept = torch.sort(torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:draft_vocab]).values
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[kept] = True
-    return kept - torch.arange(draft_vocab), t2d
+_mapping = vocab_tables
 
 
 def _draft(verifier, draft_vocab: int = 300, norm_before_residual: bool = False, seed: int = 0) -> Eagle3Draft:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import vocab_tables
 
 from eagle3.draft.model import DraftConfig, Eagle3Draft
 from eagle3.support.verifier import VerifierSpec
@@ -131,10 +132,8 @@ def _constant_draft(verifier_path: Path, token: int, draft_vocab: int = 64) -> E
     maps onto ``token``: the smallest id of its vocabulary."""
     spec = VerifierSpec.from_path(verifier_path)
     cfg = DraftConfig.build(spec, draft_vocab, [1, 2, 3], torch_dtype="float32")
-    kept = torch.arange(token, token + draft_vocab)  # [draft_vocab] ascending target ids, kept[0] = token
-    t2d = torch.zeros(spec.vocab_size, dtype=torch.bool)
-    t2d[kept] = True
-    draft = Eagle3Draft.from_verifier(cfg, verifier_path, kept - torch.arange(draft_vocab), t2d).eval()
+    d2t, t2d = vocab_tables(spec.vocab_size, draft_vocab, kept=torch.arange(token, token + draft_vocab))  # kept[0]=token
+    draft = Eagle3Draft.from_verifier(cfg, verifier_path, d2t, t2d).eval()
     with torch.no_grad():
         draft.norm.weight.zero_()
     return draft

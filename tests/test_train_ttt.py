@@ -9,6 +9,7 @@ import itertools
 
 import pytest
 import torch
+from conftest import vocab_tables
 from torch import nn
 
 from eagle3.draft.model import DraftConfig, Eagle3Draft
@@ -117,10 +118,8 @@ def test_metrics_from_counts():
 def _real_draft(tiny_llama_verifier, seed: int = 0) -> Eagle3Draft:
     spec = VerifierSpec.from_path(tiny_llama_verifier)
     cfg = DraftConfig.build(spec, D, [1, 2, 3], torch_dtype="float32")
-    kept = torch.arange(0, 2 * D, 2)
-    t2d = torch.zeros(spec.vocab_size, dtype=torch.bool)
-    t2d[kept] = True
-    draft = Eagle3Draft.from_verifier(cfg, tiny_llama_verifier, kept - torch.arange(D), t2d, seed=seed)
+    d2t, t2d = vocab_tables(spec.vocab_size, D, seed=None)
+    draft = Eagle3Draft.from_verifier(cfg, tiny_llama_verifier, d2t, t2d, seed=seed)
     with torch.no_grad():  # larger hidden inputs so every part of the layer matters
         draft.fc.weight.mul_(4)
     return draft

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import vocab_tables
 from safetensors.torch import load_file, save_file
 
 from eagle3.draft.checkpoint import save_draft
@@ -24,15 +25,6 @@ from tasks.validate import validate_checkpoint_task, validate_draft_task
 
 DRAFT_VOCAB = 512
 AUX = [1, 2, 3]  # vLLM convention: residual stream entering layers 1, 2, 3 of the 4-layer tiny verifier
-
-
-def vocab_tables(vocab: int, draft_vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    kept = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values  # [draft_vocab] ascending target ids
-    d2t = kept - torch.arange(draft_vocab)
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[kept] = True
-    return d2t, t2d
 
 
 def make_draft(verifier: Path, out: Path, **cfg_overrides) -> Path:

@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from conftest import vocab_tables
 
 from eagle3.draft.checkpoint import load_draft, save_draft
 from eagle3.draft.model import DraftConfig, Eagle3Draft
@@ -161,9 +162,8 @@ def _save_draft(verifier: Path, out: Path, kept, constant: bool = False) -> Path
     spec = VerifierSpec.from_path(verifier)
     kept = torch.as_tensor(kept)
     cfg = DraftConfig.build(spec, len(kept), AUX, torch_dtype="float32")
-    t2d = torch.zeros(spec.vocab_size, dtype=torch.bool)
-    t2d[kept] = True
-    draft = Eagle3Draft.from_verifier(cfg, verifier, kept - torch.arange(len(kept)), t2d)
+    d2t, t2d = vocab_tables(spec.vocab_size, len(kept), kept=kept)
+    draft = Eagle3Draft.from_verifier(cfg, verifier, d2t, t2d)
     if constant:
         with torch.no_grad():
             draft.norm.weight.zero_()
