@@ -14,5 +14,8 @@ demo-real: setup
 test: setup
 	$(PY) -m pytest -q
 
+test-fast: setup  # the quick tier: no vLLM, nothing marked slow (under 3 minutes on 2 cores)
+	$(PY) -m pytest -q -m "not slow and not vllm"
+
 lint: setup
 	$(PY) -m ruff check eagle3 tasks flows tests bench scripts

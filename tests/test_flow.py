@@ -44,6 +44,7 @@ def _states(flow_state, deadline_s: float = 60.0) -> dict[str, str]:
             time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_flow_caches_by_content(harness, tiny_llama_verifier, tmp_path):
     from flows.eagle3_pipeline import eagle3_pipeline
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from eagle3.draft.model import DraftArchitecture
 from eagle3.extract.stage import extract_hidden_states
 from eagle3.prepare import PrepareConfig, prepare_data
@@ -19,6 +21,7 @@ MIN_TRAINED_SIM_ACCEPT = 1.40
 MIN_GAIN_OVER_UNTRAINED = 0.35
 
 
+@pytest.mark.slow
 def test_training_raises_validation_acceptance(bundled_verifier, tmp_path):
     data = prepare_data(PrepareConfig(sources=[str(BUNDLED_DATA / "train.openai.jsonl")],
                                          tokenizer_path=str(bundled_verifier), max_samples=240, shuffle_seed=0,
