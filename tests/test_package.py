@@ -1,0 +1,53 @@
+"""The library outside a checkout: every module of eagle3/ imports with the package copied elsewhere (as an install
+puts it in site-packages), nothing reaches for checkout files at import time, and what needs the checkout (the
+presets) says so in one clear line. Also the one direction of imports (eagle3 <- tasks <- flows; eagle3 never
+imports Prefect)."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO
+
+
+def test_every_library_module_imports_outside_the_checkout(tmp_path):
+    shutil.copytree(REPO / "eagle3", tmp_path / "site" / "eagle3", ignore=shutil.ignore_patterns("__pycache__"))
+    modules = sorted(".".join(p.relative_to(REPO).with_suffix("").parts) for p in (REPO / "eagle3").rglob("*.py")
+                     if p.name != "__init__.py" and "vllm_" not in p.name)  # vllm_* modules import vllm
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}:\n"
+        "    importlib.import_module(m)\n"
+        "import eagle3\n"
+        "assert eagle3.__file__.startswith(sys.argv[1]), eagle3.__file__\n"
+        "from eagle3.config import ConfigError, load_config\n"
+        "try:\n"
+        "    load_config('tiny')\n"
+        "except ConfigError as e:\n"
+        "    print('preset error:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "site")], cwd=tmp_path, capture_output=True,
+                         text=True, env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"}, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "presets live in" in out.stdout and "installed outside a checkout" in out.stdout
+
+
+def test_imports_go_one_way():
+    def imported(path: Path) -> set[str]:
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module.split(".")[0])
+        return names
+
+    for path in (REPO / "eagle3").rglob("*.py"):
+        bad = imported(path) & {"prefect", "tasks", "flows"}
+        assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
+    for path in (REPO / "tasks").rglob("*.py"):
+        assert "flows" not in imported(path), path
