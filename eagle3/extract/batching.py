@@ -54,6 +54,16 @@ class TokenBudgetBatcher:
             take.append(self._queue.popleft())
         return Batch(take, [self._lengths[i] for i in take])
 
+    def count(self) -> int:
+        """Batches this batcher would hand out at its current budget (consumes a copy, not this one)."""
+        copy = TokenBudgetBatcher(dict(self._lengths), self.budget, self.max_samples)
+        copy._queue = type(self._queue)(self._queue)
+        copy._single = set(self._single)
+        n = 0
+        while copy.next() is not None:
+            n += 1
+        return n
+
     def put_back(self, batch: Batch, singles: bool = False) -> None:
         for i in reversed(batch.indices):
             self._queue.appendleft(i)

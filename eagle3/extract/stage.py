@@ -199,6 +199,10 @@ class _SafeProgress:
         with self.lock:
             self.progress.start = self.progress._last_t = time.monotonic()
 
+    def note(self, text: str) -> None:
+        with self.lock:
+            self.progress.note(text)
+
 
 def _run_transformers(
     cfg: ExtractConfig,
@@ -226,8 +230,11 @@ def _run_transformers(
     stats["extract_start"] = time.monotonic()
     progress.restart()
     attempt = 0
+    n_batches = TokenBudgetBatcher(todo, cfg.max_tokens_per_batch, cfg.max_samples_per_batch).count()
     try:
         while (batch := batcher.next()) is not None:
+            progress.note(f"batch {attempt + 1} of ~{n_batches}: {len(batch.indices)} samples, {batch.tokens:,} tokens "
+                          f"({batch.padded_tokens:,} padded), started")
             rows = ds[batch.indices]  # {"input_ids": [[...]], "loss_mask": [[...]]}
             input_ids, attention_mask = pad_right(rows["input_ids"])  # [B, T_max] each
             oom_message = None

@@ -4,7 +4,9 @@ A line reads, e.g.::
 
     [extract] samples 120/1000 (12.0%) | tokens 61,440 | 2,512 tok/s | elapsed 0:00:24 | ETA 0:02:55
 
-A ``total`` of 0 means unknown (a stream): lines then show the count without a percentage or ETA.
+A ``total`` of 0 means unknown (a stream): lines then show the count without a percentage or ETA. The ETA waits
+for a rate to base it on: it is measured from the first update on (the first batch carries the warm-up and the model's
+first-call costs), so the first line after it has none.
 ``on_update`` lets a caller (a Prefect task) mirror progress elsewhere without this module importing Prefect.
 """
 
@@ -42,8 +44,11 @@ class Progress:
         self.start = time.monotonic()
         self._last_t = self.start
         self._last_n = 0
+        self._rate_from: tuple[float, int] | None = None  # (time, done) of the first update: where the rate starts
 
     def update(self, n: int = 1, tokens: int = 0, extra: str = "") -> None:
+        if self._rate_from is None:
+            self._rate_from = (time.monotonic(), self.done + n)
         self.done += n
         self.tokens += tokens
         now = time.monotonic()
@@ -62,11 +67,22 @@ class Progress:
             parts.append(f"tokens {self.tokens:,}")
             parts.append(f"{self.tokens / elapsed:,.0f} tok/s" if elapsed > 0 else "- tok/s")
         parts.append(f"elapsed {fmt_duration(elapsed)}")
-        if 0 < self.done < self.total and elapsed > 0:
-            parts.append(f"ETA {fmt_duration(elapsed * (self.total - self.done) / self.done)}")
+        if self._rate_from is not None and 0 < self.done < self.total:
+            since, at = self._rate_from
+            if self.done > at and time.monotonic() > since:  # a rate measured after the first update
+                rate = (self.done - at) / (time.monotonic() - since)
+                parts.append(f"ETA {fmt_duration((self.total - self.done) / rate)}")
         if extra:
             parts.append(extra)
         return " | ".join(parts)
+
+    def note(self, text: str) -> None:
+        """A line between updates (e.g. "batch 3 of ~40 started") when one is due by time, or before the first
+        update: a long first batch is never silent."""
+        now = time.monotonic()
+        if self._rate_from is None or (self.every_s and now - self._last_t >= self.every_s):
+            self.logger.info("[%s] %s", self.stage, text)
+            self._last_t = now
 
     def emit(self, extra: str = "") -> str:
         text = self.line(extra)

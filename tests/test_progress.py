@@ -1,0 +1,23 @@
+"""Log-friendly progress lines: no ETA until a rate was measured after the first update (the first batch carries
+the warm-up), and a line at the start of a long first batch instead of silence."""
+
+from __future__ import annotations
+
+import logging
+
+from eagle3.support.progress import Progress
+
+
+def test_eta_waits_for_a_rate_and_the_first_batch_is_announced(caplog):
+    log = logging.getLogger("eagle3.test-progress")
+    with caplog.at_level(logging.INFO, logger="eagle3.test-progress"):
+        p = Progress("extract", total=300, every_n=1, every_s=0.0, logger=log)
+        p.note("batch 1 of ~40: 8 samples, 4,096 tokens (4,096 padded), started")
+        p.update(1, tokens=512)
+        p.update(1, tokens=512)
+        p.note("batch 3 of ~40 started")  # after updates, only when a line is due by time (every_s 0: never)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "[extract] batch 1 of ~40: 8 samples, 4,096 tokens (4,096 padded), started"
+    assert "samples 1/300" in lines[1] and "ETA" not in lines[1]  # one point: no rate yet
+    assert "samples 2/300" in lines[2] and "ETA" in lines[2]
+    assert len(lines) == 3
