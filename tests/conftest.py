@@ -173,6 +173,16 @@ def bundled_verifier() -> Path:
     return BUNDLED_VERIFIER
 
 
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct, converted by scripts/setup_envs.sh (a real instruct LLM: 30 layers, hidden 576)."""
+    from eagle3.support.gguf_convert import SMOLLM2_DIR, is_converted, smollm2_source
+
+    if not is_converted(SMOLLM2_DIR, smollm2_source()):
+        pytest.fail(f"SmolLM2 verifier missing at {SMOLLM2_DIR}: run scripts/setup_envs.sh")
+    return SMOLLM2_DIR
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny models run fastest on one thread (OpenMP sync dominates on 2 busy cores)."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import zipfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +13,6 @@ from safetensors import safe_open
 
 from eagle3.support.gguf_convert import (
     FETCH_COMMAND,
-    SMOLLM2_DIR,
     SMOLLM2_GGUF_MEMBER,
     SMOLLM2_WHEEL,
     GGUFConvertError,
@@ -22,18 +20,10 @@ from eagle3.support.gguf_convert import (
     convert_gguf,
     ensure_smollm2,
     find_smollm2_wheel,
-    is_converted,
     smollm2_source,
 )
 
 END_OF_TURN = "<|im_end|>"
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    if not is_converted(SMOLLM2_DIR, smollm2_source()):
-        pytest.fail(f"SmolLM2 verifier missing at {SMOLLM2_DIR}: run scripts/setup_envs.sh")
-    return SMOLLM2_DIR
 
 
 def test_config_is_smollm2_without_quantization(smollm2):
