@@ -29,10 +29,7 @@ def extract_hidden_states_task(cfg: ExtractConfig, verifier: VerifierIdentity, p
     cfg = ExtractConfig.model_validate(cfg)
     out_dir = stage_dir(run_dir, "extract-hidden-states", {"cfg": cfg, "verifier": verifier, "prepared": prepared,
                                                            "plan": plan, "run_dir": run_dir})
-    scale = attempt_batch_scale()
-    if scale < 1.0:
-        cfg = cfg.model_copy(update={"max_tokens_per_batch": max(cfg.min_tokens_per_batch,
-                                                                 int(cfg.max_tokens_per_batch * scale))})
+    cfg = cfg.with_smaller_batches(attempt_batch_scale())  # an OOM retry resumes at half the token budget
     progress = artifacts.ProgressArtifact("extract-progress", "hidden-state extraction")
     r = extract_hidden_states(cfg, prepared, out_dir / "store", verifier=verifier, guard=gpu_guard(host),
                               on_progress=progress)

@@ -19,23 +19,13 @@ from tasks import artifacts
 from tasks.common import attempt_batch_scale, gpu_guard, stage_dir, stage_task
 
 
-def oom_retry_accum(cfg: TrainConfig, scale: float) -> int:
-    """grad_accum_steps for an attempt at ``scale`` of the micro-batch: doubled per halving, while it stays a
-    divisor of the per-process batch (the global batch, hence the run, unchanged)."""
-    per_step = cfg.batch_size // cfg.nproc  # packed sequences per process per optimizer step
-    accum = cfg.grad_accum_steps
-    while accum < cfg.grad_accum_steps / scale and per_step % (accum * 2) == 0:
-        accum *= 2
-    return accum
-
-
 @stage_task("train-draft", oom_retries=2)
 def train_draft_task(cfg: TrainConfig, store: HiddenStates, vocab: VocabMapping, run_dir: str,
                      host: HostConfig | None = None) -> DraftCheckpoint:
     """-> DraftCheckpoint: the best epoch's checkpoint + the sha256 of its weights, metrics and curves."""
     cfg = TrainConfig.model_validate(cfg)
     out_dir = stage_dir(run_dir, "train-draft", {"cfg": cfg, "store": store, "vocab": vocab, "run_dir": run_dir})
-    cfg = cfg.model_copy(update={"grad_accum_steps": oom_retry_accum(cfg, attempt_batch_scale())})
+    cfg = cfg.with_smaller_micro_batches(attempt_batch_scale())  # an OOM retry: same run, smaller micro-batches
     progress = artifacts.ProgressArtifact("train-progress", "draft training")
     r = train_draft(cfg, store, vocab, out_dir, guard=gpu_guard(host), on_progress=progress)
     final, untrained = r.final_val or {}, r.untrained_val or {}

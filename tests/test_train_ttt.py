@@ -212,3 +212,11 @@ def test_lr_schedule_warmup_then_cosine():
     assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
     assert all(a >= b for a, b in itertools.pairwise(lrs[9:])) and lrs[-1] == pytest.approx(1e-4, rel=0.01)
     assert lr_at(50, 100, 1e-3, warmup_steps=0, schedule="constant") == 1e-3
+
+
+def test_oom_retry_halves_micro_batches_keeping_the_global_batch():
+    cfg = TrainConfig(batch_size=8, grad_accum_steps=1)
+    assert [cfg.with_smaller_micro_batches(s).grad_accum_steps for s in (1.0, 0.5, 0.25, 0.125, 0.0625)] == \
+        [1, 2, 4, 8, 8]  # 8 sequences per step: at most 8 micro-batches of one
+    assert TrainConfig(batch_size=6).with_smaller_micro_batches(0.25).grad_accum_steps == 2  # stays a divisor of 6
+    assert TrainConfig(batch_size=8, nproc=2).with_smaller_micro_batches(0.25).grad_accum_steps == 4

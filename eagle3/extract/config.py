@@ -103,6 +103,14 @@ class ExtractConfig(BaseModel):
         json_schema_extra=RUNTIME,
     )
 
+    def with_smaller_batches(self, scale: float) -> ExtractConfig:
+        """The same extraction at ``scale`` (1/2, 1/4, ...) of the token budget, floored at min_tokens_per_batch (an
+        out-of-memory retry of the whole job; batching is a runtime setting: same store, same folder)."""
+        if scale >= 1.0:
+            return self
+        budget = max(self.min_tokens_per_batch, int(self.max_tokens_per_batch * scale))
+        return self.model_copy(update={"max_tokens_per_batch": budget})
+
     def device_type(self) -> str:
         """"cuda" or "cpu": where the verifier runs (vLLM backend: on the GPUs when there are any)."""
         if self.backend == "vllm" or self.device_map is not None:

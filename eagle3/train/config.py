@@ -75,4 +75,12 @@ class TrainConfig(BaseModel):
                                 "process).",
         json_schema_extra=RUNTIME)
 
-
+    def with_smaller_micro_batches(self, scale: float) -> TrainConfig:
+        """The same run at ``scale`` (1/2, 1/4, ...) of the micro-batch, for an out-of-memory retry: grad_accum_steps
+        doubled per halving while it stays a divisor of the per-process batch (the global batch, hence the run, is
+        unchanged: grad_accum_steps is a runtime setting)."""
+        per_step = self.batch_size // self.nproc  # packed sequences per process per optimizer step
+        accum = self.grad_accum_steps
+        while accum < self.grad_accum_steps / scale and per_step % (accum * 2) == 0:
+            accum *= 2
+        return self.model_copy(update={"grad_accum_steps": accum})
