@@ -14,6 +14,7 @@ from torch import nn
 
 from eagle3.draft.model import DraftConfig, Eagle3Draft
 from eagle3.support.verifier import VerifierSpec
+from eagle3.train.config import TrainConfig
 from eagle3.train.data import Batch, pack_samples, packing_efficiency, split_indices
 from eagle3.train.schedule import lr_at
 from eagle3.train.ttt import TrainingTimeTest, context_mask, summarize, ttt_counted
