@@ -408,6 +408,8 @@ def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: Verifie
                     f"{cfg.generation_tokens_per_second:,.0f} tokens/s; the store above is planned for every "
                     f"answer at max_new_tokens ({regenerate.max_new_tokens:,} tokens)"
                     f"\n  total estimate: {fmt_duration(total_s)} (h:mm:ss)")
+        for line in summary.splitlines()[-2:]:
+            log.info("[capacity] %s", line)
     path = atomic_write_json(Path(out_dir) / PLAN_FILE, {**plan.model_dump(mode="json"),
                                                          "regeneration_seconds": regen_s,
                                                          "regeneration_tokens_upper": regen_tokens})
