@@ -13,17 +13,18 @@ from eagle3.config import load_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
-# measured on 2 shared cores (2026-12-01): trained 0 (see the run's report), untrained 1.001 (vLLM, 3 draft tokens)
-MIN_MEAN_ACCEPTANCE_LENGTH = 1.0
+# measured on 2 shared cores (2026-12-01), vLLM, 3 draft tokens, 4 prompts x 32 tokens: the draft below (4 optimizer
+# steps on 64 regenerated chats) 1.115 (per position 0.106 / 0.009 / 0.0); the untrained draft 1.000 (0 of 372)
+MIN_MEAN_ACCEPTANCE_LENGTH = 1.05
 
 
-def test_smollm2_pipeline_regenerates_trains_and_beats_the_untrained_draft(prefect_harness, smollm2, tmp_path):
+def test_smollm2_pipeline_regenerates_trains_and_beats_the_untrained_floor(prefect_harness, smollm2, tmp_path):
     from flows.eagle3_pipeline import eagle3_pipeline
 
     overrides = {
         "runs_dir": str(tmp_path / "runs"), "data.max_samples": 64, "max_seq_len": 512,
         "regenerate.max_new_tokens": 64, "train.epochs": 2, "validate.num_prompts": 4,
-        "validate.max_new_tokens": 32, "validate.speed_repeats": 1, "validate.compare_untrained": True,
+        "validate.max_new_tokens": 32, "validate.speed_repeats": 1, "validate.compare_untrained": False,
         "validate.min_mean_acceptance_length": MIN_MEAN_ACCEPTANCE_LENGTH,
     }
     state = eagle3_pipeline(load_config("smollm2"), overrides=overrides, return_state=True)
@@ -31,10 +32,9 @@ def test_smollm2_pipeline_regenerates_trains_and_beats_the_untrained_draft(prefe
     result = state.result()
     report = json.loads(Path(result["report"]).with_name("report.json").read_text())
     vllm = report["vllm"]
-    print(json.dumps({"trained": vllm["acceptance"], "untrained": vllm["untrained"]["acceptance"],
-                      "speed": vllm["speed"]}, indent=1))
-    assert result["verdict"] == "pass" and vllm["lossless"]
-    assert vllm["acceptance"]["mean_acceptance_length"] > vllm["untrained"]["acceptance"]["mean_acceptance_length"]
+    print(json.dumps({"trained": vllm["acceptance"], "speed": vllm["speed"]}, indent=1))
+    assert result["verdict"] == "pass" and vllm["lossless"]  # the verdict enforces the floor
+    assert vllm["acceptance"]["mean_acceptance_length"] >= MIN_MEAN_ACCEPTANCE_LENGTH
     assert vllm["speed"]["speedup"] > 0 and len(vllm["speed"]["draft_output_tokens_per_second"]) == 1
     regen = json.loads(next(Path(result["run_dir"]).glob("regenerate-*/stats.json")).read_text())
     assert regen["rows_in"] == 64 and regen["rows_written"] + regen["rows_dropped"] == 64
