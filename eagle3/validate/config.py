@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from eagle3.support.settings import RUNTIME
+
 
 class ValidateConfig(BaseModel):
     """Settings of the validation stage (structural check, vLLM run, offline parity, verdict)."""
@@ -26,8 +28,10 @@ class ValidateConfig(BaseModel):
         None, gt=0, description="vLLM max_model_len in tokens (None: the verifier's max_position_embeddings).")
     gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="vLLM gpu_memory_utilization as a fraction of device memory (None: vLLM's "
-        "default, 0.9). Ignored on CPU (VLLM_CPU_KVCACHE_SPACE, GiB, sets the KV cache there).", json_schema_extra=RUNTIME)
-    enforce_eager: bool = Field(True, description="vLLM enforce_eager: no CUDA graphs / torch.compile (faster start).", json_schema_extra=RUNTIME)
+        "default, 0.9). Ignored on CPU (VLLM_CPU_KVCACHE_SPACE, GiB, sets the KV cache there).",
+        json_schema_extra=RUNTIME)
+    enforce_eager: bool = Field(True, description="vLLM enforce_eager: no CUDA graphs / torch.compile (faster start).",
+        json_schema_extra=RUNTIME)
     engine_in_process: bool = Field(
         True, description="Run vLLM's engine core in the check's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0): "
         "one interpreter start less, ~10 s on CPU.", json_schema_extra=RUNTIME)
@@ -36,7 +40,8 @@ class ValidateConfig(BaseModel):
     timeout_s: float = Field(1800.0, gt=0, description="Wall-clock limit of the vLLM subprocess, in seconds; its "
                              "whole process group is killed past it.", json_schema_extra=RUNTIME)
     vllm_python: str | None = Field(
-        None, description="Interpreter of the vLLM environment (None: $EAGLE3_VLLM_PYTHON, else .venv-vllm).", json_schema_extra=RUNTIME)
+        None, description="Interpreter of the vLLM environment (None: $EAGLE3_VLLM_PYTHON, else .venv-vllm).",
+        json_schema_extra=RUNTIME)
     run_vllm: bool = Field(True, description="Run the vLLM check (false: structural check only; verdict then says so).")
     require_lossless: bool = Field(True, description="Fail when speculative and plain greedy outputs differ.")
     min_mean_acceptance_length: float | None = Field(
