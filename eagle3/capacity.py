@@ -36,7 +36,7 @@ from eagle3.prepare import PreparedData, load_prepared
 from eagle3.regenerate.config import RegenerateConfig
 from eagle3.support.artifacts import Artifact
 from eagle3.support.dtypes import dtype, from_safetensors
-from eagle3.support.io import atomic_write_json, sha256_file
+from eagle3.support.io import atomic_write_json, sha256_json
 from eagle3.support.progress import fmt_duration
 from eagle3.support.verifier import VerifierIdentity, VerifierSpec
 
@@ -414,7 +414,11 @@ def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: Verifie
                                                          "regeneration_seconds": regen_s,
                                                          "regeneration_tokens_upper": regen_tokens})
     artifact = CapacityPlan(
-        out_dir=str(out_dir), fingerprint=sha256_file(path), plan_path=str(path), aux_layer_ids=aux,
+        # identity = the layout extraction writes (never free space, paths or estimates: extraction keys on it,
+        # and shards planned at different moments must fill one store)
+        out_dir=str(out_dir), fingerprint=sha256_json({"aux_layer_ids": aux, "compute_dtype": compute,
+                                                       "store_dtype": store, "hidden_size": plan.hidden_size}),
+        plan_path=str(path), aux_layer_ids=aux,
         compute_dtype=compute, store_dtype=store, bytes_per_token=plan.bytes_per_token, total_bytes=plan.total_bytes,
         required_free_bytes=plan.required_free_bytes, free_bytes=plan.free_bytes, fits=plan.fits,
         estimated_seconds=total_s, regeneration_seconds=regen_s, regeneration_tokens_upper=regen_tokens,

@@ -65,8 +65,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from eagle3.support.artifacts import Artifact
 from eagle3.support.chat import FORMATS, canonical_role, detect_format
-from eagle3.support.io import atomic_path, atomic_write_json, fingerprint_paths, sha256_file, sha256_json
+from eagle3.support.io import atomic_path, atomic_write_json, fingerprint_paths, sha256_json
 from eagle3.support.progress import Progress
+from eagle3.support.settings import RUNTIME
 
 log = logging.getLogger("eagle3.prepare")
 
@@ -113,6 +114,7 @@ class PrepareConfig(BaseModel):
             "loaded with datasets.load_dataset, written 'hf:' + a dataset id or local path, optionally followed by "
             "':' + a split (a bare 'org/name' that is not a local path is read as a dataset id too)."
         ),
+        json_schema_extra=RUNTIME,  # keyed by content: describe_sources / describe_tokenizer
     )
     hf_split: str = Field("train", description="Split of a Hugging Face dataset source that names none.")
     format: Literal["auto", "sharegpt", "openai"] = Field(
@@ -121,7 +123,8 @@ class PrepareConfig(BaseModel):
         "'auto' (per row, by which of the two keys it has).",
     )
     tokenizer_path: str = Field(
-        description="Verifier (or its tokenizer) folder: its tokenizer and chat template render the conversations."
+        description="Verifier (or its tokenizer) folder: its tokenizer and chat template render the conversations.",
+        json_schema_extra=RUNTIME,  # keyed by content: describe_sources / describe_tokenizer
     )
     chat_template: str | None = Field(
         None,
@@ -148,6 +151,15 @@ class PrepareConfig(BaseModel):
     )
 
 
+_PATH_KEYS = ("sources", "tokenizer_path", "config")  # stats.json keys that name where things lie, not what they are
+
+
+def content_fingerprint(dataset_path: str | Path, stats: dict[str, Any]) -> str:
+    """The prepared data's identity: the Arrow dataset's bytes and the stats without the keys that name paths, so
+    the same data prepared from another folder or checkout keys every downstream stage the same."""
+    return sha256_json([fingerprint_paths([dataset_path]), {k: v for k, v in stats.items() if k not in _PATH_KEYS}])
+
+
 class DataSources(BaseModel):
     """The chat sources of a run and their content fingerprint (the data stage's cache key reads it)."""
 
@@ -164,6 +176,19 @@ def describe_sources(sources: list[str]) -> DataSources:
         local = Path(src.removeprefix("file://"))
         parts.append(fingerprint_paths([local]) if local.exists() else f"remote:{src}")
     return DataSources(sources=list(sources), fingerprint=sha256_json(parts))
+
+
+def describe_tokenizer(cfg: PrepareConfig) -> DataSources:
+    """The identity of what renders and tokenizes the conversations: the tokenizer folder's tokenizer and template
+    files, and a chat_template override (its text, or the content of the file it names)."""
+    from eagle3.support.verifier import tokenizer_fingerprint
+
+    template = cfg.chat_template
+    if template is not None and "{" not in template and Path(template).is_file():
+        template = Path(template).read_text(encoding="utf-8")
+    return DataSources(sources=[cfg.tokenizer_path], fingerprint=sha256_json([
+        tokenizer_fingerprint(cfg.tokenizer_path) if Path(cfg.tokenizer_path).is_dir() else cfg.tokenizer_path,
+        template]))
 
 
 class PreparedData(Artifact):
@@ -724,7 +749,7 @@ def prepare_data(cfg: PrepareConfig | dict, out_dir: str | Path, on_update=None)
     progress.emit(f"kept {kept.count:,}/{tally.read:,} rows, skipped {stats['samples_skipped']:,}")
     prepared = PreparedData(
         out_dir=str(out_dir), dataset_path=str(dataset_path), stats_path=str(stats_path),
-        fingerprint=sha256_json([sha256_file(stats_path), fingerprint_paths([dataset_path])]),
+        fingerprint=content_fingerprint(dataset_path, stats),
         max_seq_len=cfg.max_seq_len, rows_read=tally.read, samples=kept.count,
         rows_skipped=stats["samples_skipped"], rows_skipped_by_reason={k: v["count"] for k, v in skipped.items()},
         samples_truncated=truncated, total_tokens=total_tokens, assistant_tokens=assistant_tokens,

@@ -32,12 +32,27 @@ from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
 logging.getLogger("eagle3").setLevel(logging.INFO)  # progress lines are INFO; Prefect's root logger is at WARNING
 
-from eagle3.config import PipelineConfig, apply_overrides, load_config, parse_set, preset_names, validate_config
+from eagle3.config import (
+    ConfigError,
+    PipelineConfig,
+    apply_overrides,
+    load_config,
+    parse_set,
+    preset_names,
+    validate_config,
+)
+from eagle3.draft.checkpoint import WEIGHTS
 from eagle3.support.io import sha256_file, sha256_json
 from eagle3.support.paths import resolve_path
 from tasks import artifacts
 from tasks.capacity import plan_capacity_task
-from tasks.common import describe_sources_task, describe_verifier_task, result_storage_block, run_stage
+from tasks.common import (
+    describe_sources_task,
+    describe_tokenizer_task,
+    describe_verifier_task,
+    result_storage_block,
+    run_stage,
+)
 from tasks.extract import extract_hidden_states_task
 from tasks.prepare import prepare_data_task
 from tasks.regenerate import regenerate_task
@@ -88,22 +103,26 @@ def _stages(config: PipelineConfig):
     return stages
 
 
-def _front(config: PipelineConfig, s: dict):
-    """prepare -> capacity plan (-> regenerate -> prepare the regenerated conversations)."""
+def _front(config: PipelineConfig, s: dict, regenerated_only_if_cached: bool = False):
+    """prepare -> capacity plan (-> regenerate -> prepare the regenerated conversations). With
+    ``regenerated_only_if_cached`` the regeneration must already be done (a shard flow must not regenerate the
+    whole dataset on every host: run the eagle3-prepare flow once first)."""
     verifier = describe_verifier_task(config.verifier)
     sources = describe_sources_task(config.sources)
     prepare = config.prepare_config()
-    prepared = run_stage(s["prepare-data"], cfg=prepare, sources=sources, verifier=verifier, run_dir=config.run_dir)
+    tokenizer = describe_tokenizer_task(prepare)
+    prepared = run_stage(s["prepare-data"], cfg=prepare, sources=sources, tokenizer=tokenizer, run_dir=config.run_dir)
     regen_cfg = config.regenerate_config()
     plan = run_stage(s["plan-capacity"], cfg=config.capacity, extract=config.extract_config(), verifier=verifier,
                      prepared=prepared, regenerate=regen_cfg, run_dir=config.run_dir)
     if regen_cfg.enabled:
         regenerated = run_stage(s["regenerate"], cfg=regen_cfg, prepare=prepare, verifier=verifier,
-                                prepared=prepared, run_dir=config.run_dir, host=config.host)
+                                prepared=prepared, run_dir=config.run_dir, host=config.host,
+                                reuse_only=regenerated_only_if_cached)
         prepare_regen = prepare.model_copy(update={"sources": [regenerated.conversations_path], "format": "openai",
                                                    "shuffle_seed": None, "max_samples": None})
         prepared = run_stage(s["prepare-regenerated"], cfg=prepare_regen,
-                             sources=describe_sources_task([regenerated.conversations_path]), verifier=verifier,
+                             sources=describe_sources_task([regenerated.conversations_path]), tokenizer=tokenizer,
                              run_dir=config.run_dir)
     return verifier, prepared, plan
 
@@ -128,7 +147,7 @@ def eagle3_pipeline(config: PipelineConfig = DEFAULT_CONFIG, overrides: dict[str
                "untrained_mean_acceptance_length": report.untrained_mean_acceptance_length,
                "weights_sha256": checkpoint.weights_sha256}
     artifacts.run_summary(summary, checkpoint, report)
-    weights = os.path.join(checkpoint.checkpoint_dir or "", "model.safetensors")
+    weights = os.path.join(checkpoint.checkpoint_dir or "", WEIGHTS)
     if checkpoint.weights_sha256 and (not os.path.isfile(weights) or sha256_file(weights) != checkpoint.weights_sha256):
         raise CheckpointModified(f"the draft checkpoint {weights} does not match the sha256 recorded when it was "
                                  f"trained ({checkpoint.weights_sha256[:12]}...): it was changed or damaged since; "
@@ -146,11 +165,20 @@ def eagle3_extract(config: PipelineConfig = DEFAULT_CONFIG, shard_start: int = 0
     the end). Several GPU hosts each take a shard through their own work queue; all shards fill one store."""
     config = _config(config, overrides)
     s = _stages(config)
-    verifier, prepared, plan = _front(config, s)
+    verifier, prepared, plan = _front(config, s, regenerated_only_if_cached=True)
     extract = config.extract_config().model_copy(update={"shard_start": shard_start, "shard_end": shard_end})
     store = run_stage(s["extract-hidden-states"], cfg=extract, verifier=verifier, prepared=prepared, plan=plan,
                       run_dir=config.run_dir, host=config.host)
     return store.model_dump(mode="json")
+
+
+@flow(name="eagle3-prepare", flow_run_name=run_name)
+def eagle3_prepare(config: PipelineConfig = DEFAULT_CONFIG, overrides: dict[str, Any] | None = None) -> dict:
+    """Prepare + plan (+ regenerate + prepare the regenerated conversations) once, before the extraction shards of
+    several hosts start: they find these stages cached (regeneration writes one dataset, not one per host)."""
+    config = _config(config, overrides)
+    _, prepared, plan = _front(config, _stages(config))
+    return {"prepared": prepared.model_dump(mode="json"), "plan": plan.model_dump(mode="json")}
 
 
 @flow(name="eagle3-train-validate", flow_run_name=run_name)
@@ -174,7 +202,10 @@ class PipelineCLI(BaseSettings):
     def cli_cmd(self) -> None:
         if self.preset not in preset_names():
             raise SystemExit(f"unknown preset {self.preset!r}; known: {', '.join(preset_names())}")
-        config = load_config(self.preset, parse_set(self.set))
+        try:
+            config = load_config(self.preset, parse_set(self.set))
+        except ConfigError as e:
+            raise SystemExit(f"{e}") from None
         try:
             result = eagle3_pipeline(config)
         except DraftValidationFailed as e:

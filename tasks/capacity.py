@@ -18,9 +18,7 @@ def plan_capacity_task(cfg: CapacityConfig, extract: ExtractConfig, verifier: Ve
 
     Raises CapacityError when the store would not fit at ``run_dir`` with the margin (cfg.on_insufficient="fail").
     """
-    out_dir = stage_dir(run_dir, "plan-capacity", {"cfg": cfg, "extract": extract, "verifier": verifier,
-                                                   "prepared": prepared, "run_dir": run_dir,
-                                                   "regenerate": regenerate})
+    out_dir = stage_dir(run_dir, "plan-capacity")
     plan = plan_capacity(cfg, extract, verifier, prepared, run_dir, out_dir, regenerate)
     artifacts.markdown("capacity-plan", f"# Capacity plan\n\n```\n{plan.summary}\n```\n",
                        description="Hidden-state store size, free space and time estimate")

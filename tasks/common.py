@@ -14,8 +14,10 @@ the folder of other settings.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import hashlib
+import inspect
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ from pydantic import BaseModel
 
 import eagle3
 from eagle3.config import HostConfig
-from eagle3.prepare import DataSources, describe_sources
+from eagle3.prepare import DataSources, PrepareConfig, describe_sources, describe_tokenizer
 from eagle3.support.artifacts import A, Artifact, identity, with_producer
 from eagle3.support.gpu import DeviceGuard, device_lock, is_oom_error, lock_names
 from eagle3.support.io import sha256_json
@@ -46,11 +48,16 @@ def _canonical(value: Any, keep_resumable: bool) -> Any:
     return value
 
 
+# task parameters about orchestration, never about what the stage computes
+NOT_KEYED = frozenset({"reuse_only"})
+
+
 def stage_key(stage: str, inputs: dict[str, Any], keep_resumable: bool = True) -> str:
     """Content key of one stage run: stage name + package version + output settings + upstream identities.
 
     ``run_dir`` is part of the key (a result in another run folder points at other files).
     """
+    inputs = {k: v for k, v in inputs.items() if k not in NOT_KEYED}
     return sha256_json({"stage": stage, "version": eagle3.__version__, "inputs": _canonical(inputs, keep_resumable)})
 
 
@@ -59,13 +66,21 @@ def cache_key(context, parameters: dict[str, Any]) -> str:
     return stage_key(context.task.name, parameters)
 
 
-def stage_dir(run_dir: str, stage: str, inputs: dict[str, Any]) -> Path:
-    """``<run_dir>/<stage>-<key[:12]>``, keyed without the resumable settings. Inside a task run the stage is the
-    task's name (one task body can serve two stages, e.g. prepare-data and prepare-regenerated)."""
+_STAGE_PARAMS: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("stage_params", default=None)
+
+
+def stage_dir(run_dir: str, stage: str, inputs: dict[str, Any] | None = None) -> Path:
+    """``<run_dir>/<stage>-<key[:12]>``, keyed without the resumable settings. ``inputs`` default: the parameters the
+    running stage task was called with (``stage_task`` records them), so the folder key and the cache key read the
+    same inputs. Inside a task run the stage is the task's name (one task body serves prepare-data and
+    prepare-regenerated)."""
     from prefect.context import TaskRunContext
 
     ctx = TaskRunContext.get()
     stage = ctx.task.name if ctx is not None else stage
+    inputs = inputs if inputs is not None else _STAGE_PARAMS.get()
+    if inputs is None:
+        raise RuntimeError("stage_dir() without inputs outside a stage task")
     return Path(run_dir) / f"{stage}-{stage_key(stage, inputs, keep_resumable=False)[:12]}"
 
 
@@ -100,10 +115,18 @@ def stage_task(name: str, oom_retries: int = 0):
     persisted as JSON, the log lines of all its threads routed to its run (tasks.logs), its artifact stamped with
     the producing flow run, and ``oom_retries`` retries on out-of-memory errors only (each at a smaller batch)."""
     def wrap(fn):
+        signature = inspect.signature(fn)
+
         @functools.wraps(fn)
         def body(*args, **kwargs):
-            with logs_from_all_threads():
-                return produced_here(fn(*args, **kwargs))
+            params = signature.bind(*args, **kwargs)
+            params.apply_defaults()
+            token = _STAGE_PARAMS.set(dict(params.arguments))
+            try:
+                with logs_from_all_threads():
+                    return produced_here(fn(*args, **kwargs))
+            finally:
+                _STAGE_PARAMS.reset(token)
 
         return task(name=name, cache_key_fn=cache_key, persist_result=True, result_serializer="json",
                     retries=oom_retries, retry_condition_fn=retry_on_oom_only if oom_retries else None)(body)
@@ -137,6 +160,12 @@ def describe_verifier_task(verifier_path: str) -> VerifierIdentity:
 def describe_sources_task(sources: list[str]) -> DataSources:
     """Content fingerprint of data sources (the chat datasets, the validation prompts)."""
     return describe_sources(sources)
+
+
+@task(name="describe-tokenizer")
+def describe_tokenizer_task(cfg: PrepareConfig) -> DataSources:
+    """Content fingerprint of what renders the conversations (tokenizer files, chat-template override)."""
+    return describe_tokenizer(cfg)
 
 
 # ---------------------------------------------------------------- OOM-only retries
@@ -173,7 +202,7 @@ def gpu_guard(host: HostConfig | None) -> DeviceGuard:
 
     @contextlib.contextmanager
     def guard(gpu_ids: list[int]) -> Iterator[list[int]]:
-        with _slots(host.gpu_concurrency_limit, max(1, len(gpu_ids)), host.strict), \
+        with _slots(host.gpu_concurrency_limit, max(1, len(gpu_ids)), host.strict, host.lock_wait_seconds), \
                 device_lock(lock_names(gpu_ids), host.lock_dir, host.lock_wait_seconds) as fds:
             yield fds
 
@@ -181,11 +210,14 @@ def gpu_guard(host: HostConfig | None) -> DeviceGuard:
 
 
 @contextlib.contextmanager
-def _slots(limit_name: str | None, slots: int, strict: bool) -> Iterator[None]:
+def _slots(limit_name: str | None, slots: int, strict: bool, wait_seconds: float) -> Iterator[None]:
+    """``slots`` of the host's global concurrency limit, waiting up to ``wait_seconds`` (negative: forever), like the
+    host lock."""
     if not limit_name:
         yield
         return
     from prefect.concurrency.sync import concurrency
 
-    with concurrency(limit_name, occupy=slots, strict=strict):
+    with concurrency(limit_name, occupy=slots, strict=strict, timeout_seconds=None if wait_seconds < 0 else
+                     max(wait_seconds, 1.0)):
         yield

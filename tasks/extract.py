@@ -27,8 +27,7 @@ def extract_hidden_states_task(cfg: ExtractConfig, verifier: VerifierIdentity, p
     resumes from the store's manifest.
     """
     cfg = ExtractConfig.model_validate(cfg)
-    out_dir = stage_dir(run_dir, "extract-hidden-states", {"cfg": cfg, "verifier": verifier, "prepared": prepared,
-                                                           "plan": plan, "run_dir": run_dir})
+    out_dir = stage_dir(run_dir, "extract-hidden-states")
     cfg = cfg.with_smaller_batches(attempt_batch_scale())  # an OOM retry resumes at half the token budget
     progress = artifacts.ProgressArtifact("extract-progress", "hidden-state extraction")
     r = extract_hidden_states(cfg, prepared, out_dir / "store", verifier=verifier, guard=gpu_guard(host),

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 from eagle3.prepare import DataSources, PrepareConfig, PreparedData, prepare_data
-from eagle3.support.verifier import VerifierIdentity
 from tasks import artifacts
 from tasks.common import stage_dir, stage_task
 
 
 @stage_task("prepare-data")
-def prepare_data_task(cfg: PrepareConfig, sources: DataSources, verifier: VerifierIdentity,
+def prepare_data_task(cfg: PrepareConfig, sources: DataSources, tokenizer: DataSources,
                       run_dir: str) -> PreparedData:
-    """-> PreparedData. ``sources`` and ``verifier`` (their content fingerprints) key the cache."""
-    out_dir = stage_dir(run_dir, "prepare-data", {"cfg": cfg, "sources": sources, "verifier": verifier,
-                                                  "run_dir": run_dir})
+    """-> PreparedData. ``sources`` and ``tokenizer`` (their content fingerprints) key the cache, not their paths."""
+    out_dir = stage_dir(run_dir, "prepare-data")
     prepared = prepare_data(PrepareConfig.model_validate(cfg), out_dir)
     stats = prepared.stats
     artifacts.table("dataset-stats", [

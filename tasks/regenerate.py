@@ -14,16 +14,23 @@ from eagle3.regenerate.config import RegenerateConfig
 from eagle3.regenerate.stage import RegeneratedData, regenerate
 from eagle3.support.verifier import VerifierIdentity
 from tasks import artifacts
-from tasks.common import gpu_guard, stage_dir, stage_task
+from tasks.common import attempt_batch_scale, gpu_guard, stage_dir, stage_task
 
 
 @stage_task("regenerate", oom_retries=2)
 def regenerate_task(cfg: RegenerateConfig, prepare: PrepareConfig, verifier: VerifierIdentity,
-                    prepared: PreparedData, run_dir: str, host: HostConfig | None = None) -> RegeneratedData:
-    """-> RegeneratedData: conversations.jsonl with the verifier's own answers, and the generation stats."""
-    cfg = RegenerateConfig.model_validate(cfg)
-    out_dir = stage_dir(run_dir, "regenerate", {"cfg": cfg, "prepare": prepare, "verifier": verifier,
-                                                "prepared": prepared, "run_dir": run_dir})
+                    prepared: PreparedData, run_dir: str, host: HostConfig | None = None,
+                    reuse_only: bool = False) -> RegeneratedData:
+    """-> RegeneratedData: conversations.jsonl with the verifier's own answers, and the generation stats.
+
+    ``reuse_only`` (not part of the key): fail instead of generating, for flows that must find it done (extraction
+    shards on several hosts). An OOM retry runs at half the batch of rows."""
+    out_dir = stage_dir(run_dir, "regenerate")
+    if reuse_only:
+        raise RuntimeError(f"the regenerated conversations of this configuration are not there yet ({out_dir}): run "
+                           f"the eagle3-prepare flow (deployment kimi-k2.5-prepare) once before the extraction shards, "
+                           f"so that one regeneration serves every host")
+    cfg = RegenerateConfig.model_validate(cfg).with_smaller_batches(attempt_batch_scale())
     progress = artifacts.ProgressArtifact("regenerate-progress", "response regeneration")
     r = regenerate(cfg, prepared, PrepareConfig.model_validate(prepare), verifier, out_dir, guard=gpu_guard(host),
                    on_progress=progress)

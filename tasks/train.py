@@ -24,7 +24,7 @@ def train_draft_task(cfg: TrainConfig, store: HiddenStates, vocab: VocabMapping,
                      host: HostConfig | None = None) -> DraftCheckpoint:
     """-> DraftCheckpoint: the best epoch's checkpoint + the sha256 of its weights, metrics and curves."""
     cfg = TrainConfig.model_validate(cfg)
-    out_dir = stage_dir(run_dir, "train-draft", {"cfg": cfg, "store": store, "vocab": vocab, "run_dir": run_dir})
+    out_dir = stage_dir(run_dir, "train-draft")
     cfg = cfg.with_smaller_micro_batches(attempt_batch_scale())  # an OOM retry: same run, smaller micro-batches
     progress = artifacts.ProgressArtifact("train-progress", "draft training")
     r = train_draft(cfg, store, vocab, out_dir, guard=gpu_guard(host), on_progress=progress)

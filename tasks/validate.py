@@ -15,6 +15,7 @@ from eagle3.config import HostConfig
 from eagle3.prepare import DataSources
 from eagle3.train.stage import DraftCheckpoint
 from eagle3.validate.config import ValidateConfig
+from eagle3.validate.report import ACCEPTANCE_IMAGE
 from eagle3.validate.stage import ValidationReport, validate_draft
 from tasks import artifacts
 from tasks.common import gpu_guard, stage_dir, stage_task
@@ -39,8 +40,7 @@ def publish(report: ValidationReport) -> None:
     artifacts.table("validation-acceptance", rows, description=f"EAGLE-3 draft validation: {report.verdict}")
     md = Path(report.report_md).read_text()
     if report.acceptance_png:
-        md = md.replace("![per-position acceptance](acceptance.png)",
-                        artifacts.image_markdown(report.acceptance_png, "per-position acceptance"))
+        md = md.replace(ACCEPTANCE_IMAGE, artifacts.image_markdown(report.acceptance_png, "per-position acceptance"))
     artifacts.markdown("validation-report", md, description="EAGLE-3 draft validation report")
 
 
@@ -61,8 +61,7 @@ def validate_draft_task(cfg: ValidateConfig, checkpoint: DraftCheckpoint, prompt
                         host: HostConfig | None = None) -> ValidationReport:
     """The pipeline stage: the train stage's checkpoint against its verifier on the prompts of ``prompts`` (their
     content keys the cache, so edited prompts are re-validated)."""
-    out_dir = stage_dir(run_dir, "validate-draft", {"cfg": cfg, "checkpoint": checkpoint, "prompts": prompts,
-                                                    "run_dir": run_dir})
+    out_dir = stage_dir(run_dir, "validate-draft")
     report = validate_draft(ValidateConfig.model_validate(cfg), checkpoint, out_dir,
                             prompts_path=prompts.sources[0], guard=gpu_guard(host))
     publish(report)

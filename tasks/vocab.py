@@ -13,8 +13,7 @@ from tasks.common import stage_dir, stage_task
 def build_vocab_task(cfg: VocabConfig, verifier: VerifierIdentity, prepared: PreparedData,
                      run_dir: str) -> VocabMapping:
     """-> VocabMapping: mapping.safetensors (d2t, t2d) + report.json, coverage of assistant-token occurrences."""
-    out_dir = stage_dir(run_dir, "build-vocab", {"cfg": cfg, "verifier": verifier, "prepared": prepared,
-                                                 "run_dir": run_dir})
+    out_dir = stage_dir(run_dir, "build-vocab")
     vocab = build_vocab(VocabConfig.model_validate(cfg), prepared, verifier.spec().vocab_size, out_dir)
     artifacts.table("vocab-coverage", [
         {"metric": "draft vocab size (tokens)", "value": vocab.draft_vocab_size},

@@ -14,7 +14,8 @@ from eagle3.support.verifier import VerifierSpec
 class ExtractConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    verifier: str = Field(description="Path of the verifier's Hugging Face model folder (config.json + safetensors).")
+    verifier: str = Field(description="Path of the verifier's Hugging Face model folder (config.json + safetensors).",
+                          json_schema_extra=RUNTIME)  # keyed by content: the verifier identity
     aux_layer_ids: list[int] | None = Field(
         default=None,
         description="Aux layers to store, vLLM convention (id k = residual stream ENTERING decoder layer k = HF "
@@ -58,7 +59,7 @@ class ExtractConfig(BaseModel):
     on_unfittable_sample: Literal["skip", "fail"] = Field(
         default="skip",
         description="A sample that runs out of memory alone at the floor: 'skip' names it in the log and the "
-        "result, 'fail' raises OutOfMemoryAfterRetries.", json_schema_extra=RUNTIME,
+        "result, 'fail' raises OutOfMemoryAfterRetries.", json_schema_extra=RESUMABLE,
     )
     min_free_gpu_memory_fraction: float = Field(
         default=0.8, ge=0.0, le=1.0,

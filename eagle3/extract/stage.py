@@ -338,6 +338,7 @@ def extract_hidden_states(
     meta = ensure_store(store_dir, store_meta(
         verifier=verifier.path, aux_layer_ids=aux_ids, hidden_size=spec.hidden_size, dtype=store_dtype,
         num_samples=len(ds), backend=cfg.backend, group_size=cfg.group_size, fingerprint=verifier.fingerprint,
+        compute_dtype=compute_dtype,
     ))
     stats: dict[str, Any] = {"model_loads": 0, "model_load_seconds": 0.0, "samples_written": 0, "bytes_written": 0,
                              "samples_unfittable": [], "token_budget_history": [cfg.max_tokens_per_batch]}

@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from safetensors.torch import save as safetensors_save
 
+from eagle3.support.dtypes import DTYPES
+from eagle3.support.dtypes import STORE_DTYPES as STORE_DTYPE_NAMES
 from eagle3.support.io import atomic_write_bytes, atomic_write_json, atomic_write_text, sha256_file, sha256_json
 
 FORMAT = "eagle3-hidden-states/1"
@@ -52,15 +54,11 @@ TOKEN_TENSORS = (("input_ids", "int64"), ("loss_mask", "uint8"))  # per-token bo
 # different bytes (and sha256) in different processes; the sample's index lives in its file name and manifest line
 SAMPLE_METADATA = {"format": "pt"}
 
-_ST_DTYPES = {
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-STORE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_ST_DTYPES = {d.safetensors: d.torch for d in DTYPES.values()}  # safetensors header code -> torch dtype
+STORE_DTYPES = {name: DTYPES[name].torch for name in STORE_DTYPE_NAMES}
 # keys of store.json that must match for a rerun to resume into an existing store
-_RESUME_KEYS = ("format", "verifier_fingerprint", "aux_layer_ids", "hidden_size", "n_aux", "dtype", "num_samples",
-                "group_size")
+_RESUME_KEYS = ("format", "verifier_fingerprint", "aux_layer_ids", "hidden_size", "n_aux", "dtype", "compute_dtype",
+                "num_samples", "group_size")
 
 
 class StoreError(ValueError):
@@ -93,8 +91,11 @@ def store_meta(
     backend: str = "transformers",
     group_size: int = DEFAULT_GROUP_SIZE,
     fingerprint: str | None = None,
+    compute_dtype: str | None = None,
 ) -> dict[str, Any]:
-    """The ``store.json`` dict. ``aux_layer_ids`` in vLLM's convention (id k = residual stream entering layer k)."""
+    """The ``store.json`` dict. ``aux_layer_ids`` in vLLM's convention (id k = residual stream entering layer k);
+    ``compute_dtype``: what the verifier computed in (a resume or a shard on a device that would compute in another
+    dtype is refused: the store would mix states computed two ways)."""
     if dtype not in STORE_DTYPES:
         raise StoreError(f"store dtype {dtype!r} not supported; use one of {sorted(STORE_DTYPES)}")
     if group_size < 1:
@@ -107,6 +108,7 @@ def store_meta(
         "hidden_size": int(hidden_size),
         "n_aux": len(aux_layer_ids),
         "dtype": dtype,
+        "compute_dtype": compute_dtype,
         "num_samples": int(num_samples),
         "backend": backend,
         "group_size": int(group_size),

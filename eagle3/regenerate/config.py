@@ -51,3 +51,10 @@ class RegenerateConfig(BaseModel):
     vllm_python: str | None = Field(None, description="Interpreter of the vLLM environment; None = "
                                     "$EAGLE3_VLLM_PYTHON or the checkout's .venv-vllm.", json_schema_extra=RUNTIME)
     trust_remote_code: bool = Field(False, description="Let transformers/vLLM run the verifier's own code.")
+
+    def with_smaller_batches(self, scale: float) -> RegenerateConfig:
+        """The same regeneration at ``scale`` (1/2, 1/4, ...) of the batch of rows, floored at min_batch_rows (an
+        out-of-memory retry of the whole job; batching is a runtime setting: same journal, same folder)."""
+        if scale >= 1.0:
+            return self
+        return self.model_copy(update={"batch_rows": max(self.min_batch_rows, int(self.batch_rows * scale))})

@@ -100,6 +100,7 @@ def selected_conversations(prepared: PreparedData, prepare_cfg: PrepareConfig) -
     wanted = [int(i) for i in order["source_index"]]
     position = {index: k for k, index in enumerate(wanted)}
     found: list[dict | None] = [None] * len(wanted)
+    count = 0
     for index, row in iter_rows(prepare_cfg.sources, prepare_cfg.hf_split):
         k = position.get(index)
         if k is None:
@@ -107,7 +108,8 @@ def selected_conversations(prepared: PreparedData, prepare_cfg: PrepareConfig) -
         if isinstance(row, BadRow):
             raise RegenerateError(f"source row {index} was kept by the prepare stage but no longer reads: {row}")
         found[k] = {"index": index, "messages": normalize_row(row, prepare_cfg.format)}
-        if k == len(wanted) - 1 and all(f is not None for f in found):
+        count += 1
+        if count == len(wanted):  # every kept row read: the rest of the sources is not needed
             break
     missing = [wanted[k] for k, f in enumerate(found) if f is None]
     if missing:
@@ -127,46 +129,61 @@ def regenerate(cfg: RegenerateConfig, prepared: PreparedData, prepare_cfg: Prepa
     out_dir.mkdir(parents=True, exist_ok=True)
     journal = out_dir / JOURNAL
     rows = selected_conversations(prepared, prepare_cfg)
-    done = read_journal(journal)
-    todo = [r for r in rows if r["index"] not in done]
     spec = verifier.spec()
     dtype = describe_compute_dtype(cfg.dtype, spec.dtype, "auto")
-    log.info("[regenerate] %d conversations (%d already in %s); temperature %s, top_p %s, max_new_tokens %d, "
-             "batches of %d rows, dtype %s", len(rows), len(rows) - len(todo), journal, cfg.temperature, cfg.top_p,
-             cfg.max_new_tokens, cfg.batch_rows, dtype)
     stats: dict[str, Any] = {"engine_start_seconds": 0.0, "generate_seconds": 0.0, "tokens_generated": 0}
-    if todo:
-        python = vllm_python(cfg.vllm_python)
-        work = out_dir / "work.jsonl"
-        atomic_write_text(work, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in todo))
-        job = {"verifier": verifier.path, "work_file": str(work), "journal": str(journal),
-               "stats_file": str(out_dir / "driver_stats.json"), "chat_template": _template(prepare_cfg),
-               "dtype": dtype, "tensor_parallel_size": cfg.tensor_parallel_size, "max_model_len": cfg.max_model_len,
-               "gpu_memory_utilization": cfg.gpu_memory_utilization, "trust_remote_code": cfg.trust_remote_code,
-               "temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
-               "seed": cfg.seed, "reasoning": cfg.reasoning, "reasoning_start": cfg.reasoning_start,
-               "reasoning_end": cfg.reasoning_end, "batch_rows": cfg.batch_rows, "min_batch_rows": cfg.min_batch_rows,
-               "inject_oom_batches": inject_oom_batches or []}
-        job_file = atomic_write_json(out_dir / "job.json", job)
-        (out_dir / "driver_stats.json").unlink(missing_ok=True)
-        cmd = [python, "-m", "eagle3.regenerate.vllm_worker", str(job_file)]
-        progress = Progress("regenerate", len(rows), unit="conversations", every_s=cfg.log_every_seconds,
-                            logger=log, on_update=on_progress)
-        progress.done = len(rows) - len(todo)
-        with (guard or file_lock_guard(logger=log))(cuda_device_ids(count=cfg.tensor_parallel_size)) as fds, \
-                _follow_journal(journal, progress):
-            result = run_subprocess(cmd, env=vllm_subprocess_env(), timeout_s=cfg.timeout_s or None,
-                                    log_prefix="[vllm] ", cwd=REPO_ROOT, log_file=out_dir / VLLM_LOG, pass_fds=fds)
-        if result.returncode == 3:
-            raise OutOfMemoryAfterRetries(f"regeneration ran out of memory at the batch floor (min_batch_rows "
-                                          f"{cfg.min_batch_rows}); last output:\n{result.stdout[-3000:]}")
-        if result.returncode != 0 or result.timed_out:
-            raise RegenerateError(f"the vLLM generation driver failed (exit {result.returncode}"
-                                  f"{', timed out' if result.timed_out else ''}); last output:\n"
-                                  f"{result.stdout[-4000:]}")
-        stats.update(json.loads((out_dir / "driver_stats.json").read_text()))
-        work.unlink(missing_ok=True)
-    return _finish(cfg, rows, read_journal(journal), len(rows) - len(todo), stats, out_dir, dtype)
+    resumed = len(read_journal(journal))
+    if any(r["index"] not in read_journal(journal) for r in rows):
+        # decide what is left UNDER the guard: a run that waited for it must see what the previous holder wrote
+        with (guard or file_lock_guard(logger=log))(cuda_device_ids(count=cfg.tensor_parallel_size)) as fds:
+            done = read_journal(journal)
+            todo = [r for r in rows if r["index"] not in done]
+            resumed = len(rows) - len(todo)
+            log.info("[regenerate] %d conversations (%d already in %s); temperature %s, top_p %s, max_new_tokens "
+                     "%d, batches of %d rows, dtype %s", len(rows), resumed, journal, cfg.temperature, cfg.top_p,
+                     cfg.max_new_tokens, cfg.batch_rows, dtype)
+            if todo:
+                stats.update(_run_driver(cfg, todo, len(rows), prepare_cfg, verifier, dtype, out_dir, fds,
+                                         on_progress, inject_oom_batches))
+    return _finish(cfg, rows, read_journal(journal), resumed, stats, out_dir, dtype)
+
+
+def _run_driver(cfg: RegenerateConfig, todo: list[dict], total: int, prepare_cfg: PrepareConfig,
+                verifier: VerifierIdentity, dtype: str, out_dir: Path, lock_fds: list[int],
+                on_progress: Callable[[int, int, str], None] | None,
+                inject_oom_batches: list[int] | None) -> dict[str, Any]:
+    """Run the vLLM generation driver over ``todo``; returns its stats (engine start, generation time, tokens)."""
+    journal = out_dir / JOURNAL
+    python = vllm_python(cfg.vllm_python)
+    work = out_dir / "work.jsonl"
+    atomic_write_text(work, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in todo))
+    job = {"verifier": verifier.path, "work_file": str(work), "journal": str(journal),
+           "stats_file": str(out_dir / "driver_stats.json"), "chat_template": _template(prepare_cfg),
+           "dtype": dtype, "tensor_parallel_size": cfg.tensor_parallel_size, "max_model_len": cfg.max_model_len,
+           "gpu_memory_utilization": cfg.gpu_memory_utilization, "trust_remote_code": cfg.trust_remote_code,
+           "temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
+           "seed": cfg.seed, "reasoning": cfg.reasoning, "reasoning_start": cfg.reasoning_start,
+           "reasoning_end": cfg.reasoning_end, "batch_rows": cfg.batch_rows, "min_batch_rows": cfg.min_batch_rows,
+           "inject_oom_batches": inject_oom_batches or []}
+    job_file = atomic_write_json(out_dir / "job.json", job)
+    (out_dir / "driver_stats.json").unlink(missing_ok=True)
+    cmd = [python, "-m", "eagle3.regenerate.vllm_worker", str(job_file)]
+    progress = Progress("regenerate", total, unit="conversations", every_s=cfg.log_every_seconds, logger=log,
+                        on_update=on_progress)
+    progress.done = total - len(todo)
+    with _follow_journal(journal, progress):
+        result = run_subprocess(cmd, env=vllm_subprocess_env(), timeout_s=cfg.timeout_s or None,
+                                log_prefix="[vllm] ", cwd=REPO_ROOT, log_file=out_dir / VLLM_LOG,
+                                pass_fds=lock_fds)
+    if result.returncode == 3:
+        raise OutOfMemoryAfterRetries(f"regeneration ran out of memory at the batch floor (min_batch_rows "
+                                      f"{cfg.min_batch_rows}); last output:\n{result.stdout[-3000:]}")
+    if result.returncode != 0 or result.timed_out:
+        raise RegenerateError(f"the vLLM generation driver failed (exit {result.returncode}"
+                              f"{', timed out' if result.timed_out else ''}); its whole output is in "
+                              f"{out_dir / VLLM_LOG}; last lines:\n{result.stdout[-4000:]}")
+    work.unlink(missing_ok=True)
+    return json.loads((out_dir / "driver_stats.json").read_text())
 
 
 def _template(prepare_cfg: PrepareConfig) -> str | None:

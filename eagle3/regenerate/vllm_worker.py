@@ -27,7 +27,7 @@ from pathlib import Path
 
 from eagle3.support.io import atomic_write_json
 
-JOURNAL_FORMAT = "eagle3-regenerate-journal/1"
+END_OF_TURN_RESERVE = 8  # tokens of max_model_len kept free after a regenerated answer (end of turn + newline)
 
 
 class InjectedOOM(RuntimeError):
@@ -76,7 +76,9 @@ def regenerate_batch(llm, tokenizer, rows: list[dict], job: dict, stats: dict) -
             except Exception as e:  # noqa: BLE001 - a template that raises on this row: the row is dropped, named
                 s["dropped"] = {"reason": "template_error", "detail": f"{type(e).__name__}: {e}"[:300]}
                 continue
-            room = int(job["max_model_len"]) - len(ids)
+            # the answer may take what is left of max_model_len, less what the template writes after it (the
+            # end-of-turn token and its newline): a conversation that fills the context must still fit it
+            room = int(job["max_model_len"]) - len(ids) - END_OF_TURN_RESERVE
             if room < 1:
                 s["dropped"] = {"reason": "prompt_too_long", "detail": f"turn {s['done']}: prompt of {len(ids)} "
                                 f"tokens, max_model_len {job['max_model_len']}"}

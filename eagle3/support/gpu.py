@@ -37,6 +37,8 @@ import psutil
 import torch
 from pydantic import BaseModel, Field
 
+from eagle3.support.settings import RUNTIME
+
 log = logging.getLogger("eagle3.support.gpu")
 
 LOCK_DIR_ENV = "EAGLE3_LOCK_DIR"
@@ -106,10 +108,10 @@ class LockSettings(BaseModel):
         None, description="Host-local folder of the GPU/host lock files; None = $EAGLE3_LOCK_DIR or "
         "/tmp/eagle3-locks-UID (this user's id). Must belong to this user and not be writable by others. Every checkout of the "
         "same user on this host shares it: that is what keeps two runs off the same GPUs.",
-        json_schema_extra={"changes_output": False})
+        json_schema_extra=RUNTIME)
     lock_wait_seconds: float = Field(
         0.0, description="Seconds to wait for a busy GPU/host lock: 0 = fail at once naming the holder, negative "
-        "= forever.", json_schema_extra={"changes_output": False})
+        "= forever.", json_schema_extra=RUNTIME)
 
 
 class LockDirError(RuntimeError):

@@ -71,6 +71,13 @@ class VerifierSpec:
         if missing:
             raise VerifierError(f"verifier config {cfg_file} lacks {', '.join(missing)}")
         dtype = str(text.get("torch_dtype") or text.get("dtype") or cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+        try:
+            return cls._from_config(path, cfg, text, dtype)
+        except (TypeError, ValueError) as e:
+            raise VerifierError(f"verifier config {cfg_file}: a size field is not a number ({e})") from None
+
+    @classmethod
+    def _from_config(cls, path: Path, cfg: dict, text: dict, dtype: str) -> VerifierSpec:
         return cls(
             path=path,
             hidden_size=int(text["hidden_size"]),
@@ -129,8 +136,16 @@ def verifier_fingerprint(path: str | Path) -> str:
             with open(shard, "rb") as f:  # the header lists every tensor's name, dtype, shape and byte range
                 n = int.from_bytes(f.read(8), "little")
                 h.update(f.read(min(n, 100 << 20)))
-    tokenizer = sorted({f for g in _TOKENIZER_GLOBS for f in root.glob(g) if f.is_file()})
-    for tok in tokenizer:
+    h.update(tokenizer_fingerprint(root).encode())
+    return h.hexdigest()
+
+
+def tokenizer_fingerprint(path: str | Path) -> str:
+    """Content identity of a tokenizer folder: its tokenizer and chat-template files (never the weights beside
+    them). Part of ``verifier_fingerprint``; the prepare stage keys on it alone."""
+    root = Path(path)
+    h = hashlib.sha256()
+    for tok in sorted({f for g in _TOKENIZER_GLOBS for f in root.glob(g) if f.is_file()}):
         h.update(tok.name.encode() + sha256_file(tok).encode())
     return h.hexdigest()
 

@@ -136,8 +136,13 @@ class BatchPlan:
         return self.batch_size // (self.world * self.grad_accum_steps)
 
     def epoch_order(self, epoch: int) -> list[list[int]]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return [self.rows[i] for i in torch.randperm(len(self.rows), generator=g).tolist()]
+        """The rows in the seeded order of ``epoch`` (computed once per epoch per process)."""
+        cache = self.__dict__.setdefault("_order", {})
+        if epoch not in cache:
+            cache.clear()
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            cache[epoch] = [self.rows[i] for i in torch.randperm(len(self.rows), generator=g).tolist()]
+        return cache[epoch]
 
     def micro_bins(self, epoch: int, step: int) -> list[list[list[int]]]:
         """This process's micro-batches (lists of rows) of optimizer step ``step`` of ``epoch``."""
@@ -184,7 +189,24 @@ class StepLoader:
         self._iter: Iterator[list[Batch]] | None = None
     def __iter__(self) -> Iterator[list[Batch]]:
         self._iter = iter(self.loader)
-        return self._iter
+        return self._clear_errors(self._iter)
+
+    @staticmethod
+    def _clear_errors(batches: Iterator[list[Batch]]) -> Iterator[list[Batch]]:
+        """A bad-input error raised in a loader worker comes back wrapped in the worker's traceback ("Caught
+        TrainError in DataLoader worker process 0. Original Traceback ..."): re-raise it as its own one line."""
+        try:
+            yield from batches
+        except ValueError as e:
+            lines = [ln for ln in str(e).splitlines() if ln.strip()]
+            last = lines[-1] if lines else str(e)
+            prefix = f"{type(e).__module__}.{type(e).__name__}: "
+            message = last.split(": ", 1)[1] if last.startswith((prefix, f"{type(e).__name__}: ")) else last
+            try:
+                clear = type(e)(message)
+            except Exception:  # noqa: BLE001 - an exception type that takes other arguments: keep it as it is
+                raise e from None
+            raise clear from None
 
     def close(self) -> None:
         """Stop the worker processes (a run that stopped early leaves steps unread)."""

@@ -40,9 +40,11 @@ def launch(cfg, store_dir: str | Path, vocab_path: str | Path, verifier_path: st
            resume: bool = True) -> dict[str, Any]:
     """Run ``cfg.nproc`` workers on this machine; return rank 0's outcome (``Trainer._result`` plus ``wall_s``).
     Raises TrainError with a worker's message when a rank met bad input."""
+    import torch
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from eagle3.support.gpu import is_oom_text
     from eagle3.train.config import TrainError
 
     out_dir = Path(out_dir)
@@ -66,10 +68,14 @@ def launch(cfg, store_dir: str | Path, vocab_path: str | Path, verifier_path: st
         try:
             results = elastic_launch(config, _worker)(job)
         except ChildFailedError as e:
-            for failure in e.failures.values():  # the rank that met bad input, whichever failed first
-                text = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
+            texts = [f.message.get("message", "") if isinstance(f.message, dict) else str(f.message)
+                     for f in e.failures.values()]
+            for text in texts:  # the rank that met bad input, whichever failed first
                 if text.startswith(f"{WorkerBadInput.__name__}: "):
                     raise TrainError(text.removeprefix(f"{WorkerBadInput.__name__}: ")) from None
+            oom = next((t for t in texts if is_oom_text(t)), None)
+            if oom is not None:  # an allocator failure on a rank: the OOM-only retry (half the micro-batch) applies
+                raise torch.OutOfMemoryError(f"a training worker ran out of memory: {oom}") from e
             raise
     return results[0]
 
@@ -123,6 +129,7 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
+    from eagle3.support.dtypes import device_type
     from eagle3.train.config import TrainConfig
     from eagle3.train.stage import run_local
     from eagle3.train.trainer import Dist
@@ -135,8 +142,7 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
     root.addHandler(handler)
     torch.set_num_threads(job["threads"])
     cfg = TrainConfig.model_validate(job["cfg"])
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    dist.init_process_group("nccl" if device_type(cfg.device) == "cuda" else "gloo")
     try:
         return run_local(cfg, job["store_dir"], job["vocab_path"], job["verifier_path"], job["out_dir"],
                          job["resume"], d)

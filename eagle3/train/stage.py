@@ -19,6 +19,7 @@ from pydantic import Field
 
 from eagle3.extract.stage import HiddenStates
 from eagle3.support.artifacts import Artifact
+from eagle3.support.dtypes import device_type
 from eagle3.support.gpu import DeviceGuard, cuda_device_ids, file_lock_guard
 from eagle3.support.io import sha256_json
 from eagle3.support.progress import fmt_duration
@@ -107,8 +108,7 @@ def train_draft(cfg: TrainConfig, store: HiddenStates | str | Path, vocab: Vocab
         raise TrainError("train_draft: pass the verifier (a HiddenStates artifact carries it; a store folder does not)")
     store_dir = store.store_path if isinstance(store, HiddenStates) else str(store)
     vocab_path = vocab.mapping_path if isinstance(vocab, VocabMapping) else str(vocab)
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    gpu_ids = cuda_device_ids(count=cfg.nproc) if use_cuda else []
+    gpu_ids = cuda_device_ids(count=cfg.nproc) if device_type(cfg.device) == "cuda" else []
     with (guard or file_lock_guard(logger=log))(gpu_ids):
         if cfg.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
             from eagle3.train.launch import launch

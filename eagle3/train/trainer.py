@@ -28,7 +28,7 @@ from torch import nn
 
 from eagle3.draft import checkpoint as ckpt
 from eagle3.draft.model import DraftConfig, Eagle3Draft
-from eagle3.extract.store import HiddenStateStore, StoreError
+from eagle3.extract.store import STORE_JSON, HiddenStateStore, StoreError
 from eagle3.support.io import atomic_write_text, sha256_file
 from eagle3.support.progress import Progress
 from eagle3.support.settings import output_view
@@ -173,7 +173,7 @@ class Trainer:
         return torch.device("cpu")
 
     def _check_inputs(self, spec: VerifierSpec) -> None:
-        meta_file = self.store_dir / "store.json"
+        meta_file = self.store_dir / STORE_JSON
         if len(self.store) == 0:
             raise TrainError(f"store {self.store_dir} is empty: no finished samples in its manifest")
         if self.store.hidden_size != spec.hidden_size:

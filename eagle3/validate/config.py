@@ -16,14 +16,16 @@ class ValidateConfig(BaseModel):
 
     prompts_path: str = Field(
         "data/stdlib-chat/eval.openai.jsonl", description="Held-out chat conversations (OpenAI or ShareGPT jsonl); "
-        "the first user turn of each (after its system message) is the prompt. Relative paths: to the checkout.")
+        "the first user turn of each (after its system message) is the prompt. Relative paths: to the checkout.",
+        json_schema_extra=RUNTIME)  # keyed by content: the prompts' identity
     num_prompts: int = Field(8, gt=0, description="Prompts to generate on, in conversations (the first N of the file).")
     max_new_tokens: int = Field(64, gt=0, description="Generation budget per prompt, in tokens.")
     num_speculative_tokens: int = Field(
         3, gt=0, description="Draft tokens proposed per verifier step (vLLM num_speculative_tokens), in tokens.")
     tensor_parallel_size: int = Field(1, gt=0, description="vLLM tensor parallel size, in devices (Kimi-K2.5: 8).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "float32", description="dtype vLLM runs the verifier and draft in; float32 on CPU, bfloat16 on GPUs.")
+        "float32", description="dtype vLLM runs the verifier and draft in: float32 (the default: exact parity with the "
+        "offline reference on CPU), bfloat16 on GPUs (the kimi-k2.5 preset), or auto (vLLM's choice).")
     max_model_len: int | None = Field(
         None, gt=0, description="vLLM max_model_len in tokens (None: the verifier's max_position_embeddings).")
     gpu_memory_utilization: float | None = Field(

@@ -10,6 +10,8 @@ from typing import Any
 
 from eagle3.support.io import atomic_write_json, atomic_write_text
 
+ACCEPTANCE_IMAGE = "![per-position acceptance](acceptance.png)"  # report.md's chart (the UI inlines it)
+
 
 def _fmt(v: Any, digits: int = 3) -> str:
     if isinstance(v, float):
@@ -69,7 +71,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         if off:
             lines.append(f"- offline vs vLLM mean acceptance length: "
                          f"{_fmt(report['offline'].get('relative_difference'))} relative difference")
-        lines += ["", "![per-position acceptance](acceptance.png)", ""]
+        lines += ["", ACCEPTANCE_IMAGE, ""]
     elif v:
         lines += ["## Speculative decoding", "", f"not run: {v.get('skipped') or v.get('error', '')[:2000]}", ""]
     return "\n".join(lines)

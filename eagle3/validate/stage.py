@@ -72,6 +72,9 @@ def run_vllm_check(cfg: ValidateConfig, verifier_path: str | os.PathLike, draft_
     log.info("[validate] vLLM check: %s", " ".join(cmd))
     run_subprocess(cmd, env=env, timeout_s=cfg.timeout_s, log_prefix="[vllm] ", cwd=REPO_ROOT,
                    log_file=work_dir / VLLM_LOG, pass_fds=lock_fds).check()
+    if not out.is_file():
+        raise SubprocessFailed(f"the vLLM check exited cleanly but wrote no result ({out}); its whole output is in "
+                               f"{work_dir / VLLM_LOG}")
     return json.loads(out.read_text())
 
 
