@@ -124,7 +124,7 @@ def _count_loads(monkeypatch) -> list[int]:
     return loads
 
 
-def test_oom_at_several_batches_halves_budget_keeps_model(tiny_llama_verifier, tmp_path, monkeypatch, caplog):
+def test_injected_oom_at_several_batches_halves_budget_keeps_model(tiny_llama_verifier, tmp_path, monkeypatch, caplog):
     ds = make_dataset(tmp_path / "ds", LENGTHS, 8192, seed=2)
     loads = _count_loads(monkeypatch)
     attempts: list[tuple[list[int], int]] = []  # (dataset indices, padded tokens) per forward attempt

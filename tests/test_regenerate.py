@@ -20,6 +20,7 @@ from eagle3.prepare import PrepareConfig, prepare_data
 from eagle3.regenerate.config import RegenerateConfig
 from eagle3.regenerate.stage import JOURNAL, RegenerateError, _finish, read_journal, regenerate
 from eagle3.regenerate.vllm_worker import strip_reasoning
+from eagle3.support.gpu import device_lock
 from eagle3.support.verifier import describe_verifier
 
 pytestmark = pytest.mark.vllm
@@ -83,7 +84,7 @@ def test_dropped_rows_are_counted_and_named(tmp_path):
 
 
 @pytest.mark.slow
-def test_regenerates_turn_by_turn_names_dropped_rows_and_survives_an_oom(bundled_verifier, tmp_path):
+def test_regenerates_turn_by_turn_names_dropped_rows_and_survives_an_injected_oom(bundled_verifier, tmp_path):
     src = _conversations(tmp_path / "chats.jsonl", 5, long_prompt=True)
     prepare_cfg, prepared = _prepare(tmp_path, bundled_verifier, src)
     assert prepared.samples == 8
@@ -123,7 +124,8 @@ def test_kill_9_mid_regeneration_then_rerun_gives_every_row_exactly_once(bundled
         from eagle3.prepare import PrepareConfig, PreparedData
         from eagle3.regenerate.config import RegenerateConfig
         from eagle3.regenerate.stage import regenerate
-        from eagle3.support.verifier import describe_verifier
+        from eagle3.support.gpu import device_lock
+from eagle3.support.verifier import describe_verifier
         regenerate(RegenerateConfig.model_validate({_regen_cfg(batch_rows=2).model_dump()!r}),
                    PreparedData.load({prepared.out_dir!r}), PrepareConfig.model_validate({prepare_cfg.model_dump()!r}),
                    describe_verifier({str(bundled_verifier)!r}), {str(out)!r})
@@ -139,6 +141,10 @@ def test_kill_9_mid_regeneration_then_rerun_gives_every_row_exactly_once(bundled
     finally:
         os.kill(victim.pid, signal.SIGKILL)  # the pipeline process dies; its guard takes vLLM's group with it
         victim.wait()
+    # the vLLM worker notices its parent died and exits; until then it holds the host lock (and may journal one
+    # more batch): wait for the lock before counting what is on disk
+    with device_lock(["host-cpu"], None, wait_seconds=120):
+        pass
     partial = len(read_journal(out / JOURNAL))
     assert 4 <= partial < prepared.samples, partial
     r = regenerate(_regen_cfg(batch_rows=2), prepared, prepare_cfg, describe_verifier(bundled_verifier), out)

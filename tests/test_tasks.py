@@ -16,7 +16,14 @@ from eagle3.prepare import PreparedData
 from eagle3.support.gpu import OutOfMemoryAfterRetries, is_oom_error
 from eagle3.vocab import VocabMapping
 from tasks.capacity import plan_capacity_task
-from tasks.common import describe_sources_task, describe_verifier_task, reusable, stage_dir, stage_key
+from tasks.common import (
+    describe_sources_task,
+    describe_tokenizer_task,
+    describe_verifier_task,
+    reusable,
+    stage_dir,
+    stage_key,
+)
 from tasks.prepare import prepare_data_task
 from tasks.vocab import build_vocab_task
 
@@ -29,7 +36,8 @@ def front(tiny_llama_verifier, tmp_path_factory):
                                "vocab": {"draft_vocab_size": 256}})
     verifier = describe_verifier_task.fn(cfg.verifier)
     sources = describe_sources_task.fn(cfg.sources)
-    prepared = prepare_data_task.fn(cfg.prepare_config(), sources, verifier, run_dir)
+    tokenizer = describe_tokenizer_task.fn(cfg.prepare_config())
+    prepared = prepare_data_task.fn(cfg.prepare_config(), sources, tokenizer, run_dir)
     return cfg, verifier, prepared, run_dir
 
 
@@ -84,6 +92,30 @@ def test_sources_fingerprint_follows_dataset_content(tmp_path, tiny_llama_verifi
     assert v1 == v2
 
 
+def test_one_dataset_in_two_folders_gives_one_fingerprint_and_one_stage_folder(tiny_llama_verifier, tmp_path):
+    """The dataset's content keys the cache, not where it lies: the same file copied into two folders describes
+    (sources) and prepares (PreparedData.fingerprint) the same: one cache entry, one stage folder, and the stages
+    downstream (keyed by the prepared fingerprint) reuse their work."""
+    text = (BUNDLED_DATA / "eval.openai.jsonl").read_text()
+    runs = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "chats.jsonl").write_text(text)
+        cfg = load_config("tiny", {"verifier_path": str(tiny_llama_verifier), "data": {
+            "sources": [str(tmp_path / name / "chats.jsonl")], "max_samples": 6}})
+        sources = describe_sources_task.fn(cfg.sources)
+        tokenizer = describe_tokenizer_task.fn(cfg.prepare_config())
+        run_dir = str(tmp_path / "run")
+        prepared = prepare_data_task.fn(cfg.prepare_config(), sources, tokenizer, run_dir)
+        inputs = {"cfg": cfg.prepare_config(), "sources": sources, "tokenizer": tokenizer, "run_dir": run_dir}
+        vocab_key = stage_key("build-vocab", {"cfg": cfg.vocab, "verifier": describe_verifier_task.fn(cfg.verifier),
+                                              "prepared": prepared, "run_dir": run_dir})
+        runs.append((sources, prepared, stage_key("prepare-data", inputs), prepared.out_dir, vocab_key))
+    (s1, p1, k1, d1, v1), (s2, p2, k2, d2, v2) = runs
+    assert s1.fingerprint == s2.fingerprint and p1.fingerprint == p2.fingerprint
+    assert k1 == k2 and d1 == d2 and v1 == v2
+
+
 def test_deleted_outputs_make_an_artifact_unusable(front):
     _, _, prepared, _ = front
     assert reusable(prepared)
@@ -116,8 +148,8 @@ def test_capacity_plans_the_dtype_extraction_writes(front, bundled_verifier, tmp
                                "data": {"sources": [str(BUNDLED_DATA / "eval.openai.jsonl")], "max_samples": 6}})
     verifier = describe_verifier_task.fn(cfg.verifier)
     assert verifier.spec().dtype == "bfloat16"
-    prepared = prepare_data_task.fn(cfg.prepare_config(), describe_sources_task.fn(cfg.sources), verifier,
-                                    str(tmp_path))
+    prepared = prepare_data_task.fn(cfg.prepare_config(), describe_sources_task.fn(cfg.sources),
+                                    describe_tokenizer_task.fn(cfg.prepare_config()), str(tmp_path))
     plan = plan_capacity_task.fn(cfg.capacity, cfg.extract_config(), verifier, prepared, str(tmp_path))
     assert plan.store_dtype == "float32" and plan.bytes_per_token == 4 * 256 * 4
     store = extract_hidden_states(cfg.extract_config(), prepared, tmp_path / "store", verifier=verifier)
