@@ -177,7 +177,7 @@ class PipelineCLI(BaseSettings):
         config = load_config(self.preset, parse_set(self.set))
         try:
             result = eagle3_pipeline(config)
-        except DraftValidationFailed as e:
+        except (DraftValidationFailed, CheckpointModified) as e:  # the run ends Failed; never printed as ready
             print(f"\nFAILED: {e}")
             raise SystemExit(1) from None
         import json
