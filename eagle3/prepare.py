@@ -414,6 +414,11 @@ def load_chat_tokenizer(tokenizer_path: str, chat_template: str | None = None, t
     """Load the verifier's tokenizer; return ``(tokenizer, template_text)``; DataError without a template."""
     from transformers import AutoTokenizer
 
+    local = Path(tokenizer_path)
+    if (local.is_absolute() or tokenizer_path.startswith(".") or len(local.parts) > 2) and not local.exists():
+        # a folder path (a hub id is "org/name"): say so, not the hub's "repo id must be in the form ..." error
+        raise DataError(f"tokenizer not found: {tokenizer_path} does not exist (tokenizer_path: a tokenizer folder, "
+                        f"by default the verifier's, verifier_path)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
