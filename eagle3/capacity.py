@@ -34,7 +34,7 @@ from eagle3.extract.config import ExtractConfig
 from eagle3.extract.store import SAMPLE_METADATA, TOKEN_TENSORS
 from eagle3.prepare import PreparedData, load_prepared
 from eagle3.regenerate.config import RegenerateConfig
-from eagle3.support.artifacts import Artifact
+from eagle3.support.artifacts import Artifact, file_problem
 from eagle3.support.dtypes import dtype, from_safetensors
 from eagle3.support.io import atomic_write_json, sha256_json
 from eagle3.support.progress import fmt_duration
@@ -377,6 +377,10 @@ class CapacityPlan(Artifact):
 
     def outputs(self) -> list[str]:
         return [self.plan_path]
+
+    def problems(self) -> list[str]:
+        """Reuse check: plan.json's sha256 is the fingerprint (a few KB)."""
+        return [p for p in [file_problem(self.plan_path, sha256=self.fingerprint)] if p]
 
 
 def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: VerifierIdentity, prepared: PreparedData,

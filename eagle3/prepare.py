@@ -63,9 +63,9 @@ import pyarrow as pa
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 
-from eagle3.support.artifacts import Artifact
+from eagle3.support.artifacts import Artifact, file_problem
 from eagle3.support.chat import FORMATS, canonical_role, detect_format
-from eagle3.support.io import atomic_path, atomic_write_json, fingerprint_paths, sha256_json
+from eagle3.support.io import atomic_path, atomic_write_json, fingerprint_paths, sha256_file, sha256_json
 from eagle3.support.progress import Progress
 from eagle3.support.settings import RUNTIME
 
@@ -208,9 +208,23 @@ class PreparedData(Artifact):
     total_tokens: int = Field(description="Tokens over all kept samples.")
     assistant_tokens: int = Field(description="Tokens with loss_mask = 1.")
     elapsed_s: float = Field(description="Wall time of the stage, seconds.")
+    stats_sha256: str | None = Field(None, description="sha256 of stats.json as written (the reuse check).")
+    dataset_bytes: dict[str, int] | None = Field(None, description="Byte size of each file of the dataset folder "
+                                                 "(relative name -> bytes) as written (the reuse check).")
 
     def outputs(self) -> list[str]:
         return [self.dataset_path, self.stats_path]
+
+    def problems(self) -> list[str]:
+        """Reuse check: stats.json's sha256 and every dataset file's byte size as recorded (sizes, not content:
+        hashing a multi-GB dataset on every cache hit costs more than it protects; docs/DESIGN.md "Caching")."""
+        if missing := super().problems():
+            return missing
+        out = [p for p in [file_problem(self.stats_path, sha256=self.stats_sha256)] if p]
+        for name, size in (self.dataset_bytes or {}).items():
+            if p := file_problem(Path(self.dataset_path) / name, size=size):
+                out.append(p)
+        return out
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -425,6 +439,11 @@ def load_chat_tokenizer(tokenizer_path: str, chat_template: str | None = None, t
     """Load the verifier's tokenizer; return ``(tokenizer, template_text)``; DataError without a template."""
     from transformers import AutoTokenizer
 
+    local = Path(tokenizer_path)
+    if (local.is_absolute() or tokenizer_path.startswith(".") or len(local.parts) > 2) and not local.exists():
+        # a folder path (a hub id is "org/name"): say so, not the hub's "repo id must be in the form ..." error
+        raise DataError(f"tokenizer not found: {tokenizer_path} does not exist (tokenizer_path: a tokenizer folder, "
+                        f"by default the verifier's, verifier_path)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
@@ -750,6 +769,9 @@ def prepare_data(cfg: PrepareConfig | dict, out_dir: str | Path, on_update=None)
     prepared = PreparedData(
         out_dir=str(out_dir), dataset_path=str(dataset_path), stats_path=str(stats_path),
         fingerprint=content_fingerprint(dataset_path, stats),
+        stats_sha256=sha256_file(stats_path), dataset_bytes={
+            f.relative_to(dataset_path).as_posix(): f.stat().st_size for f in sorted(dataset_path.rglob("*"))
+            if f.is_file()},
         max_seq_len=cfg.max_seq_len, rows_read=tally.read, samples=kept.count,
         rows_skipped=stats["samples_skipped"], rows_skipped_by_reason={k: v["count"] for k, v in skipped.items()},
         samples_truncated=truncated, total_tokens=total_tokens, assistant_tokens=assistant_tokens,

@@ -25,11 +25,11 @@ import pyarrow.compute as pc
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from eagle3.prepare import PreparedData, load_prepared
-from eagle3.support.artifacts import Artifact
-from eagle3.support.io import atomic_path, atomic_write_json, sha256_file
+from eagle3.support.artifacts import Artifact, file_problem
+from eagle3.support.io import atomic_path, atomic_write_json, save_safetensors, sha256_file
 
 log = logging.getLogger("eagle3")
 
@@ -175,7 +175,7 @@ def save_mapping(out_dir: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, repo
     _check_mapping(d2t, t2d, out_dir / MAPPING_FILE)
     path = out_dir / MAPPING_FILE
     with atomic_path(path) as tmp:
-        save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, str(tmp), metadata={"format": "pt"})
+        save_safetensors({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, tmp, metadata={"format": "pt"})
     atomic_write_json(out_dir / REPORT_FILE, report)
     return path
 
@@ -234,6 +234,10 @@ class VocabMapping(Artifact):
 
     def outputs(self) -> list[str]:
         return [self.mapping_path, self.report_path]
+
+    def problems(self) -> list[str]:
+        """Reuse check: mapping.safetensors' sha256 is the fingerprint (draft + target vocab entries: < 2 MB)."""
+        return super().problems() or [p for p in [file_problem(self.mapping_path, sha256=self.fingerprint)] if p]
 
 
 def build_vocab(cfg: VocabConfig, dataset: PreparedData | str | Path, target_vocab_size: int,

@@ -146,12 +146,15 @@ def eagle3_pipeline(config: PipelineConfig = DEFAULT_CONFIG, overrides: dict[str
                "verdict": report.verdict, "mean_acceptance_length": report.mean_acceptance_length,
                "untrained_mean_acceptance_length": report.untrained_mean_acceptance_length,
                "weights_sha256": checkpoint.weights_sha256}
-    artifacts.run_summary(summary, checkpoint, report)
     weights = os.path.join(checkpoint.checkpoint_dir or "", WEIGHTS)
+    modified = None
     if checkpoint.weights_sha256 and (not os.path.isfile(weights) or sha256_file(weights) != checkpoint.weights_sha256):
-        raise CheckpointModified(f"the draft checkpoint {weights} does not match the sha256 recorded when it was "
-                                 f"trained ({checkpoint.weights_sha256[:12]}...): it was changed or damaged since; "
-                                 f"do not serve it (rerun training, or restore the file)")
+        modified = (f"the draft checkpoint {weights} does not match the sha256 recorded when it was trained "
+                    f"({checkpoint.weights_sha256[:12]}...): it was changed or damaged since; do not serve it "
+                    f"(restore the file, or delete the train-draft stage folder and rerun to train it again)")
+    artifacts.run_summary(summary, checkpoint, report, problem=modified)  # after the check: never a stale "ready"
+    if modified:
+        raise CheckpointModified(modified)
     if report.verdict != "pass":  # the run ends Failed (alerts fire), after every artifact and report exists
         raise DraftValidationFailed(f"the draft {checkpoint.checkpoint_dir} failed validation: "
                                     f"{'; '.join(report.reasons)} (report: {report.report_md})")
@@ -208,7 +211,7 @@ class PipelineCLI(BaseSettings):
             raise SystemExit(f"{e}") from None
         try:
             result = eagle3_pipeline(config)
-        except DraftValidationFailed as e:
+        except (DraftValidationFailed, CheckpointModified) as e:  # the run ends Failed; never printed as ready
             print(f"\nFAILED: {e}")
             raise SystemExit(1) from None
         import json

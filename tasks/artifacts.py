@@ -73,12 +73,15 @@ class ProgressArtifact:
             log.warning("progress artifact update failed: %s", exc)
 
 
-def run_summary(summary: dict, checkpoint, report) -> None:
+def run_summary(summary: dict, checkpoint, report, problem: str | None = None) -> None:
     """The run's summary (published on every run, a fully cached one too): where the checkpoint and the report
-    are, the verdict and acceptance, and which flow runs produced them."""
-    lines = [f"# EAGLE-3 run: {summary['verdict'].upper()}", "",
+    are, the verdict and acceptance, and which flow runs produced them. ``problem``: why the checkpoint must not be
+    served although its cached validation passed (e.g. its weights changed since training)."""
+    ready = summary["verdict"] == "pass" and problem is None
+    lines = [f"# EAGLE-3 run: {'PASS' if ready else 'FAIL'}", "",
+             *([f"**{problem}**", ""] if problem else []),
              "| | |", "|---|---|",
-             f"| draft checkpoint (vLLM-ready) | `{summary['checkpoint']}` |",
+             f"| draft checkpoint ({'vLLM-ready' if ready else 'NOT ready to serve'}) | `{summary['checkpoint']}` |",
              f"| weights sha256 (recorded at training) | `{summary['weights_sha256']}` |",
              f"| validation report | `{summary['report']}` |",
              f"| mean acceptance length (vLLM) | {summary['mean_acceptance_length']} |",

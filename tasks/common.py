@@ -1,6 +1,7 @@
 """Prefect glue shared by the stage tasks: content-addressed cache keys, per-stage output folders, reuse of cached
-artifacts only when their outputs are still there, OOM-only retries with a smaller batch per attempt, and the GPU
-guard every GPU stage enters.
+artifacts only when they pass their integrity check (``Artifact.problems``: outputs in place with their recorded
+sizes and small-file hashes), OOM-only retries with a smaller batch per attempt, and the GPU guard every GPU stage
+enters.
 
 Cache keys are computed from CONTENT, never from a path alone: a stage's key hashes its stage name, the package
 version, its output settings (eagle3.support.settings: runtime settings never enter a key) and the identity of
@@ -135,16 +136,26 @@ def stage_task(name: str, oom_retries: int = 0):
 
 
 def run_stage(stage_task, **params) -> Artifact:
-    """Run a cached stage; a cached artifact whose outputs were deleted since is recomputed (refresh_cache)."""
-    artifact = stage_task(**params)
-    if not reusable(artifact):
-        artifact = stage_task.with_options(refresh_cache=True)(**params)
+    """Run a cached stage; a cached artifact that fails its integrity check (outputs deleted, resized or rewritten
+    since: ``Artifact.problems``) is recomputed (refresh_cache), which repairs what the stage can repair (extraction
+    re-extracts only the bad samples, training resumes)."""
+    state = stage_task(**params, return_state=True)
+    artifact = state.result()  # raises the stage's error when it failed
+    if state.name == "Cached":
+        problems = artifact.problems() if artifact is not None else ["no cached artifact"]
+        if problems:
+            from prefect.logging import get_run_logger
+
+            more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
+            get_run_logger().warning("%s: the cached result cannot be reused, recomputing: %s%s", stage_task.name,
+                                     "; ".join(problems[:10]), more)
+            artifact = stage_task.with_options(refresh_cache=True)(**params)
     return artifact
 
 
 def reusable(artifact: Artifact | None) -> bool:
-    """A (possibly cached) artifact is usable only if every output it lists still exists."""
-    return artifact is not None and not artifact.missing_outputs()
+    """A (possibly cached) artifact is usable only when its integrity check finds nothing (``Artifact.problems``)."""
+    return artifact is not None and not artifact.problems()
 
 
 # ---------------------------------------------------------------- input identities (never cached: they read content)

@@ -146,3 +146,34 @@ def test_vllm_loads_the_checkpoint_and_drafts(tmp_path):
     assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = json.loads(line[0][len("RESULT "):])
     assert res["tokens"] == 12 and res["drafts"] and res["drafts"] > 0
+
+
+def test_written_safetensors_get_the_usual_file_mode(tiny_llama_verifier, tmp_path):
+    """safetensors' writer creates 0600 files: a vLLM server under another account could not read the checkpoint.
+    Under umask 022 every safetensors file the project writes is 0644 (checkpoint, trainer state, vocab mapping,
+    the vLLM extraction work file)."""
+    import os
+    import stat
+    import sys
+
+    code = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, "tests")
+        from test_checkpoint import _draft
+        from eagle3.draft import checkpoint as ckpt
+        from eagle3.extract.vllm_backend import write_work_file
+        from eagle3.vocab import save_mapping
+        out = {str(tmp_path)!r}
+        draft = _draft({str(tiny_llama_verifier)!r})
+        ckpt.save_draft(out + "/epoch-001", draft.config, draft.state_dict(), {{}})
+        ckpt.save_trainer_state(out + "/latest", {{"w": torch.ones(3)}})
+        d2t, t2d = draft.d2t, draft.t2d
+        save_mapping(out + "/vocab", d2t, t2d, {{}})
+        import datasets, pathlib
+        rows = datasets.Dataset.from_dict({{"input_ids": [[1, 2]], "loss_mask": [[0, 1]]}})
+        write_work_file(pathlib.Path(out + "/work/todo.safetensors"), rows, [0])
+    """)
+    subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True, preexec_fn=lambda: os.umask(0o022))
+    files = ["epoch-001/model.safetensors", "latest/trainer_state.safetensors", "vocab/mapping.safetensors",
+             "work/todo.safetensors", "epoch-001/config.json", "vocab/report.json"]
+    assert {f: stat.filemode((tmp_path / f).stat().st_mode) for f in files} == {f: "-rw-r--r--" for f in files}

@@ -263,3 +263,59 @@ def test_task_artifact_and_shards_share_one_store(tiny_llama_verifier, tmp_path)
     assert b.store_tokens == sum(LENGTHS) and b.manifest_sha256 == sha256_file(Path(b.store_path) / MANIFEST)
     assert b.fingerprint != a.fingerprint and b.bytes_on_disk > 0 and b.tokens_per_second > 0
     assert b.verifier == verifier and b.aux_layer_ids == [1, 2] and b.store_dtype == "float32"  # default ids
+
+
+def test_lost_or_torn_manifest_is_rebuilt_from_the_intact_files(tiny_llama_verifier, tmp_path, monkeypatch):
+    """manifest.jsonl deleted (or torn mid-file) with every sample file intact: resume lists the files again
+    (hashes, tokens from the header, the dataset's tokens compared), extracts nothing, loads no model, and the store
+    has its old fingerprint. A file holding another row's tokens is extracted again."""
+    import shutil
+
+    ds = make_dataset(tmp_path / "ds", LENGTHS, 8192, seed=5)
+    store_dir = tmp_path / "store"
+    first = extract_hidden_states(_cfg(tiny_llama_verifier, tmp_path), ds, store_dir)
+    manifest = store_dir / MANIFEST
+    loads = _count_loads(monkeypatch)
+
+    manifest.unlink()
+    r = extract_hidden_states(_cfg(tiny_llama_verifier, tmp_path), ds, store_dir)
+    assert (r.samples_written, r.manifest_entries_rebuilt, r.samples_resumed, len(loads)) == (0, len(LENGTHS),
+                                                                                            len(LENGTHS), 0)
+    assert r.fingerprint == first.fingerprint and HiddenStateStore(store_dir).verify()["samples"] == len(LENGTHS)
+
+    lines = manifest.read_text().splitlines(keepends=True)
+    manifest.write_text("".join(lines[:3]) + lines[3][:20] + "\n" + "".join(lines[6:]))  # torn in the middle
+    r = extract_hidden_states(_cfg(tiny_llama_verifier, tmp_path), ds, store_dir)
+    assert (r.samples_written, r.manifest_entries_rebuilt, len(loads)) == (0, 3, 0)
+    assert r.fingerprint == first.fingerprint
+
+    store = HiddenStateStore(store_dir)
+    lines = manifest.read_text().splitlines(keepends=True)
+    manifest.write_text("".join(x for x in lines if json.loads(x)["index"] != 4))
+    shutil.copy(store.file(1), store.file(4))  # in place, complete, but the tokens of row 1
+    r = extract_hidden_states(_cfg(tiny_llama_verifier, tmp_path), ds, store_dir)
+    assert (r.samples_written, r.manifest_entries_rebuilt, len(loads)) == (1, 0, 1)
+    assert HiddenStateStore(store_dir).load(4)["input_ids"].shape == (LENGTHS[4],)
+
+
+def test_quarantined_sample_alone_is_extracted_again_and_the_fingerprint_holds(tiny_llama_verifier, tmp_path,
+                                                                              monkeypatch):
+    """A sample the trainer's first-read check quarantined is the only one extracted again; its states come back
+    bit-identical (one sample per forward both times), so the store's fingerprint is the same: training stays
+    cached."""
+    from eagle3.extract.store import CorruptSample
+
+    ds = make_dataset(tmp_path / "ds", LENGTHS, 8192, seed=7)
+    cfg = _cfg(tiny_llama_verifier, tmp_path, max_samples_per_batch=1)
+    first = extract_hidden_states(cfg, ds, tmp_path / "store")
+    store = HiddenStateStore(tmp_path / "store")
+    path = store.file(2)
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2:len(raw) // 2 + 4096] = bytes(4096)
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CorruptSample, match="sample 2 "):
+        store.verify_sample(2)
+    loads = _count_loads(monkeypatch)
+    r = extract_hidden_states(cfg, ds, tmp_path / "store")
+    assert (r.samples_written, r.samples_resumed, r.manifest_entries_dropped, len(loads)) == (1, 9, 1, 1)
+    assert r.fingerprint == first.fingerprint

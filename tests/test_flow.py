@@ -189,3 +189,164 @@ def test_failed_validation_fails_the_flow_run_after_writing_the_report(harness, 
     assert "failed validation" in message and "[vllm_failed]" in message
     report = Path(message.rsplit("(report: ", 1)[1].rstrip(")"))
     assert report.is_file() and "FAIL" in report.read_text()
+
+
+# ---------------------------------------------------------------- what is on disk cannot be silently wrong
+
+
+def _base(verifier: Path, tmp_path: Path) -> dict:
+    """The small pipeline of these tests (24 samples, one epoch, validation without vLLM)."""
+    data = tmp_path / "chats.jsonl"
+    shutil.copy(BUNDLED_DATA / "eval.openai.jsonl", data)
+    return {"verifier_path": str(verifier), "runs_dir": str(tmp_path / "runs"),
+            "data": {"sources": [str(data)], "max_samples": 24}, "vocab": {"draft_vocab_size": 256},
+            "train": {"epochs": 1, "batch_size": 4},
+            "validate": {"run_vllm": False, "compare_untrained": False, "offline_reference": False,
+                         "min_mean_acceptance_length": None,
+                         "prompts_path": str(BUNDLED_DATA / "eval.openai.jsonl")}}
+
+
+def _runs(flow_state, stages: list[str], deadline_s: float = 60.0) -> dict[str, list[str]]:
+    """stage name -> the final states of its task runs in this flow run, oldest first (a cached result that
+    fails its reuse check is recomputed: Cached, then Completed), read back through the API."""
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    flt = FlowRunFilter(id=FlowRunFilterId(any_=[flow_state.state_details.flow_run_id]))
+    deadline = time.monotonic() + deadline_s
+    with get_client(sync_client=True) as client:
+        while True:
+            runs = sorted(client.read_task_runs(flow_run_filter=flt), key=lambda tr: tr.created)
+            out: dict[str, list] = {}
+            for tr in runs:
+                if tr.state is not None:
+                    out.setdefault(tr.name.rsplit("-", 1)[0], []).append(tr.state)
+            if all(s in out and all(x.is_final() for x in out[s]) for s in stages) or time.monotonic() > deadline:
+                return {name: [x.name for x in states] for name, states in out.items()}
+            time.sleep(0.2)
+
+
+def _run_summary(flow_state) -> str:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    flt = ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_state.state_details.flow_run_id]),
+                         key=ArtifactFilterKey(any_=["run-summary"]))
+    with get_client(sync_client=True) as client:
+        return "\n".join(str(a.data) for a in client.read_artifacts(artifact_filter=flt))
+
+
+def _zero_64k(path: Path) -> None:
+    """Zero 64 KiB in the middle of a file (its size unchanged): bytes silently wrong."""
+    size = path.stat().st_size
+    assert size > 2 * (64 << 10), (path, size)
+    with open(path, "r+b") as f:
+        f.seek(size // 2 - (32 << 10))
+        f.write(bytes(64 << 10))
+
+
+def _flatten(d: dict, prefix: str = "") -> list[str]:
+    """--set KEY=VALUE arguments (dotted keys, JSON values) for a nested override dict."""
+    out = []
+    for k, v in d.items():
+        out += _flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}={json.dumps(v)}"]
+    return out
+
+
+@pytest.mark.slow
+def test_lost_manifest_reextracts_nothing_and_a_modified_checkpoint_fails_the_run(harness, tiny_llama_verifier,
+                                                                                 tmp_path, capsys):
+    """store/manifest.jsonl deleted with every sample file intact: extraction reruns (its reuse check fails),
+    rebuilds the manifest from the files and extracts nothing; the store's fingerprint is unchanged, so training
+    stays cached. Then 64 KiB zeroed inside the trained checkpoint's model.safetensors: the run fails naming the
+    file and is never reported as vLLM-ready (neither in the run summary nor on the command line)."""
+    from eagle3.extract.stage import HiddenStates
+    from flows.eagle3_pipeline import PipelineCLI, eagle3_pipeline
+
+    base = _base(tiny_llama_verifier, tmp_path)
+    first = eagle3_pipeline(load_config("tiny", base), return_state=True)
+    assert first.is_completed(), first
+    result = first.result()
+    (stage,) = Path(result["run_dir"]).glob("extract-hidden-states-*")
+    before = HiddenStates.load(stage)
+
+    (stage / "store" / "manifest.jsonl").unlink()
+    again = eagle3_pipeline(load_config("tiny", base), return_state=True)
+    assert again.is_completed(), again
+    runs = _runs(again, STAGES)
+    assert runs["extract-hidden-states"] == ["Cached", "Completed"], runs
+    assert all(runs[s] == ["Cached"] for s in STAGES if s != "extract-hidden-states"), runs
+    after = HiddenStates.load(stage)
+    assert (after.samples_written, after.manifest_entries_rebuilt) == (0, before.samples_stored)
+    assert after.fingerprint == before.fingerprint and again.result() == result
+
+    weights = Path(result["checkpoint"]) / "model.safetensors"
+    _zero_64k(weights)
+    with pytest.raises(SystemExit) as e:  # the command line's own path (its argv parsing is tested above)
+        PipelineCLI(preset="tiny", set=_flatten(base)).cli_cmd()
+    out = capsys.readouterr().out
+    assert e.value.code == 1 and f"FAILED: the draft checkpoint {weights} does not match the sha256" in out
+    assert "vLLM-ready" not in out
+    state = eagle3_pipeline(load_config("tiny", base), return_state=True)
+    assert state.is_failed() and str(weights) in str(state.result(raise_on_failure=False))
+    summary = _run_summary(state)
+    assert "NOT ready to serve" in summary and "vLLM-ready" not in summary and str(weights) in summary
+
+
+@pytest.mark.slow
+def test_damaged_sample_fails_training_naming_it_and_the_rerun_repairs_it(harness, tiny_llama_verifier, tmp_path):
+    """64 KiB zeroed inside one stored sample after extraction (same size: the reuse check passes): training
+    refuses it on its first read and the run fails naming the file; the rerun extracts that sample again (only it)
+    and completes: never trained on it, never failing the same way twice."""
+    from eagle3.extract.stage import HiddenStates
+    from eagle3.extract.store import HiddenStateStore
+    from flows.eagle3_pipeline import eagle3_extract, eagle3_pipeline
+
+    base = _base(tiny_llama_verifier, tmp_path)
+    extracted = eagle3_extract(load_config("tiny", base), return_state=True)
+    assert extracted.is_completed(), extracted
+    store = HiddenStateStore(extracted.result()["store_path"])
+    biggest = max(store.indices(), key=lambda i: store.file(i).stat().st_size)
+    path = store.file(biggest)
+    _zero_64k(path)
+
+    failed = eagle3_pipeline(load_config("tiny", base), return_state=True)
+    assert failed.is_failed()
+    error = str(failed.result(raise_on_failure=False))
+    assert f"sample {biggest} of store" in error and f"{path} does not match its manifest sha256" in error
+    runs = _runs(failed, ["extract-hidden-states", "train-draft"])
+    assert runs["extract-hidden-states"] == ["Cached"] and runs["train-draft"] == ["Failed"], runs
+
+    repaired = eagle3_pipeline(load_config("tiny", base), return_state=True)
+    assert repaired.is_completed(), repaired
+    runs = _runs(repaired, STAGES)
+    assert runs["extract-hidden-states"] == ["Cached", "Completed"] and runs["train-draft"] == ["Completed"], runs
+    artifact = HiddenStates.load(Path(store.path).parent)
+    assert (artifact.samples_written, artifact.manifest_entries_dropped) == (1, 1)
+    HiddenStateStore(store.path).verify()
+
+
+def test_missing_verifier_says_verifier_not_found_at_every_entry(harness, tmp_path):
+    """A verifier path that does not exist is "verifier not found: <path>" from the flow (its describe step) and
+    from each stage function, never a Hugging Face repo-id error."""
+    from eagle3.extract.stage import extract_hidden_states
+    from eagle3.prepare import DataError, PrepareConfig, prepare_data
+    from eagle3.support.verifier import VerifierError
+    from eagle3.train.config import TrainConfig
+    from eagle3.train.stage import train_draft
+    from flows.eagle3_pipeline import eagle3_pipeline
+
+    missing = tmp_path / "models" / "no-such-verifier"
+    state = eagle3_pipeline(load_config("tiny", _base(missing, tmp_path)), return_state=True)
+    assert state.is_failed()
+    assert f"verifier not found: {missing} does not exist" in str(state.result(raise_on_failure=False))
+    with pytest.raises(VerifierError, match=f"verifier not found: {missing} does not exist"):
+        extract_hidden_states({"verifier": str(missing)}, tmp_path / "dataset", tmp_path / "store")
+    with pytest.raises(VerifierError, match=f"verifier not found: {missing} does not exist"):
+        train_draft(TrainConfig(), tmp_path / "store", tmp_path / "mapping.safetensors", tmp_path / "train",
+                    verifier=missing)
+    with pytest.raises(DataError, match=f"tokenizer not found: {missing} does not exist"):  # the verifier's
+        prepare_data(PrepareConfig(sources=[str(BUNDLED_DATA / "eval.openai.jsonl")], tokenizer_path=str(missing),
+                                   max_seq_len=512), tmp_path / "prepared")

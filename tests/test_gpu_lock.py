@@ -172,3 +172,57 @@ def test_second_extraction_waits_then_resumes_what_the_first_wrote(tiny_llama_ve
     assert (r.samples_written, r.samples_resumed, r.model_loads) == (0, 24, 0)
     indices = [json.loads(x)["index"] for x in manifest.read_text().splitlines()]
     assert sorted(indices) == list(range(24))
+
+
+def test_planted_symlink_is_refused_and_its_target_left_alone(tmp_path):
+    """Whoever plants ``host-cpu.lock -> a file of yours`` must not get that file truncated and overwritten with
+    the holder's JSON: the lock is opened without following symlinks."""
+    from eagle3.support.gpu import LockDirError
+
+    locks = tmp_path / "locks"
+    locks.mkdir(mode=0o700)
+    victim = tmp_path / "precious.txt"
+    victim.write_text("my thesis\n")
+    (locks / "host-cpu.lock").symlink_to(victim)
+    with pytest.raises(LockDirError, match=r"host-cpu.lock cannot be opened .*a symlink there is refused"), \
+            device_lock(["host-cpu"], locks):
+        pass
+    assert victim.read_text() == "my thesis\n"
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o707, 0o1777])
+def test_lock_folder_writable_by_others_is_refused(tmp_path, mode):
+    from eagle3.support.gpu import LockDirError
+
+    locks = tmp_path / "shared-locks"
+    locks.mkdir()
+    locks.chmod(mode)
+    with pytest.raises(LockDirError, match=r"shared-locks is writable by others"), device_lock(["gpu-0"], locks):
+        pass
+    assert not (locks / "gpu-0.lock").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a folder of another user needs root (chown)")
+def test_lock_folder_of_another_user_is_refused(tmp_path):
+    import pwd
+
+    from eagle3.support.gpu import LockDirError
+
+    nobody = pwd.getpwnam("nobody").pw_uid
+    locks = tmp_path / "their-locks"
+    locks.mkdir(mode=0o755)
+    os.chown(locks, nobody, -1)
+    with pytest.raises(LockDirError, match=rf"their-locks belongs to uid {nobody}, not to this user"), \
+            device_lock(["host-cpu"], locks):
+        pass
+
+
+def test_default_lock_folder_is_per_user_and_private(tmp_path, monkeypatch):
+    from eagle3.support import gpu
+
+    monkeypatch.delenv(gpu.LOCK_DIR_ENV, raising=False)
+    assert gpu.DEFAULT_LOCK_DIR == f"/tmp/eagle3-locks-{os.getuid()}"
+    monkeypatch.setattr(gpu, "DEFAULT_LOCK_DIR", str(tmp_path / "fresh" / "eagle3-locks"))
+    with device_lock(["host-cpu"]):
+        pass
+    assert (tmp_path / "fresh" / "eagle3-locks").stat().st_mode & 0o777 == 0o700

@@ -171,3 +171,29 @@ def test_capacity_plans_the_aux_layers_extraction_stores(front, tiny_llama_verif
                                   verifier=verifier)
     assert plan.aux_layer_ids == store.aux_layer_ids == [1, 2]
     assert plan.bytes_per_token == (2 + 1) * 64 * 4
+
+
+def test_reuse_check_catches_outputs_resized_or_rewritten_in_place(front, tmp_path):
+    """A cached artifact is reusable only while its outputs are the ones it recorded: the sha256 of its small files
+    (stats.json, plan.json, mapping.safetensors) and the byte size of every dataset file."""
+    cfg, verifier, _, _ = front
+    run_dir = str(tmp_path)
+    prepared = prepare_data_task.fn(cfg.prepare_config(), describe_sources_task.fn(cfg.sources), verifier, run_dir)
+    plan = plan_capacity_task.fn(cfg.capacity, cfg.extract_config(), verifier, prepared, run_dir)
+    vocab = build_vocab_task.fn(cfg.vocab, verifier, prepared, run_dir)
+    assert prepared.problems() == plan.problems() == vocab.problems() == []
+
+    stats = Path(prepared.stats_path)
+    stats.write_text(stats.read_text().replace('"samples_kept": 24', '"samples_kept": 25'))
+    (arrow,) = Path(prepared.dataset_path).glob("*.arrow")
+    with open(arrow, "ab") as f:
+        f.write(b"\0")
+    assert prepared.problems() == [f"{stats} changed since it was written (sha256 differs from the recorded one)",
+                                   f"{arrow} has {arrow.stat().st_size} bytes, {arrow.stat().st_size - 1} were recorded"]
+    Path(plan.plan_path).write_text(Path(plan.plan_path).read_text() + " ")
+    changed = f"{plan.plan_path} changed since it was written (sha256 differs from the recorded one)"
+    assert plan.problems() == [changed]
+    raw = bytearray(Path(vocab.mapping_path).read_bytes())
+    raw[-1] ^= 1  # the same size, one bit of t2d
+    Path(vocab.mapping_path).write_bytes(bytes(raw))
+    assert not reusable(vocab) and "mapping.safetensors changed" in vocab.problems()[0]

@@ -4,10 +4,16 @@ processes) equal to one process, bad input, the Prefect task, and learning on th
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO
 from safetensors.torch import load_file, save_file
 
 from eagle3.draft import checkpoint as ckpt
@@ -219,3 +225,172 @@ def test_fixed_seed_loss_trajectory_is_pinned(random_store, tiny_llama_verifier,
     losses = [r["loss"] for r in _metrics(tmp_path / "run") if r["event"] == "train"]
     assert len(losses) == 8
     assert losses == pytest.approx(PINNED_LOSSES, rel=1e-4, abs=1e-5)
+
+
+WALL_CLOCK = ("tokens_per_s",)  # the only wall-clock field of a metrics record
+
+
+def _records(out: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in WALL_CLOCK} for r in _metrics(out)]
+
+
+def test_resume_mid_window_writes_the_uninterrupted_records(random_store, tiny_llama_verifier, tmp_path):
+    """A train record covers the steps since the previous one: stopped at step 5 with records every 3 steps, the
+    record of step 6 must still cover steps 5 and 6 (the window is part of the resume state)."""
+    store, vocab = random_store
+    cfg = TrainConfig(epochs=3, **{**TINY, "log_every_steps": 3})
+    train_draft(cfg, store, vocab, tmp_path / "full", verifier=tiny_llama_verifier)
+    part = train_draft(cfg.model_copy(update={"stop_after_steps": 5}), store, vocab, tmp_path / "resumed",
+                       verifier=tiny_llama_verifier)
+    assert part.stopped_early and part.global_step == 5
+    train_draft(cfg, store, vocab, tmp_path / "resumed", verifier=tiny_llama_verifier)
+    assert [r["global_step"] for r in _records(tmp_path / "full") if r["event"] == "train"] == [3, 6, 9, 12]
+    assert _records(tmp_path / "resumed") == _records(tmp_path / "full")
+
+
+def test_state_saved_by_time_mid_epoch_with_its_cost_logged(random_store, tiny_llama_verifier, tmp_path, caplog):
+    import logging
+
+    store, vocab = random_store
+    assert TrainConfig().save_state_every_minutes == 10.0  # the default: a kill loses minutes, not an epoch
+    cfg = TrainConfig(epochs=1, save_state_every_minutes=1e-9, **TINY)  # due after every step
+    with caplog.at_level(logging.INFO, logger="eagle3"):
+        train_draft(cfg, store, vocab, tmp_path / "out", verifier=tiny_llama_verifier)
+    saves = [m for m in caplog.messages if m.startswith("[train] resume state saved at global step")]
+    assert [int(m.split()[7]) for m in saves] == [1, 2, 3, 4]  # steps 1-3 inside the epoch, 4 at its end
+    assert all(" s (" in m and " MB, " in m for m in saves)
+
+
+def test_damaged_sample_is_never_trained_on_and_extraction_repairs_it(random_store, tiny_llama_verifier, tmp_path):
+    """Zeroed bytes inside a stored sample (same size): the loader worker's first-read hash check refuses it before
+    the step that holds it, quarantines it, and the run fails naming the file; a rerun fails at once (the sample is
+    missing) until extraction extracts it again, then training runs."""
+    import shutil
+
+    from eagle3.extract.store import HiddenStateStore
+    from eagle3.train.data import BatchPlan
+    from eagle3.train.trainer import Trainer
+
+    src, vocab = random_store
+    store_dir = tmp_path / "store"
+    shutil.copytree(src, store_dir)
+    cfg = TrainConfig(epochs=1, loader_workers=1, eval_before_training=False, **TINY)
+    probe = Trainer(cfg, store_dir, vocab, tiny_llama_verifier, tmp_path / "probe")
+    probe.setup()
+    plan = BatchPlan(probe.train_bins, cfg.seed, cfg.batch_size, 1, 1, 0)
+    bad_step = 2  # the third optimizer step of the epoch: steps 0 and 1 train, step 2 must not
+    bad = plan.micro_bins(0, bad_step)[0][0][0]
+    assert all(bad not in row for s in range(bad_step) for row in plan.micro_bins(0, s)[0])
+    path = HiddenStateStore(store_dir).file(bad)
+    raw = bytearray(path.read_bytes())
+    n = min(64 << 10, len(raw) - 1024)  # 64 KiB, or the whole data section of a small sample
+    raw[-n:] = bytes(n)
+    path.write_bytes(bytes(raw))
+
+    with pytest.raises(TrainError, match=rf"sample {bad} of store .* is damaged: file {path} does not match its "
+                                         r"manifest sha256. It was not trained on"):
+        train_draft(cfg, store_dir, vocab, tmp_path / "out", verifier=tiny_llama_verifier)
+    assert [r["global_step"] for r in _metrics(tmp_path / "out")] == [1, 2]  # nothing from the damaged step
+    assert not path.exists() and len(list((store_dir / "quarantine").iterdir())) == 1
+    with pytest.raises(TrainError, match=rf"1 samples are not in place: sample {bad}: file {path} is missing"):
+        train_draft(cfg, store_dir, vocab, tmp_path / "out", verifier=tiny_llama_verifier)
+    ds = store_dir.parent / "dataset"
+    shutil.copytree(src.parent / "dataset", ds)
+    r = extract_hidden_states({"verifier": str(tiny_llama_verifier), "aux_layer_ids": [1, 2, 3],
+                               "store_dtype": "float32", "device": "cpu"}, ds, store_dir)
+    assert r.samples_written == 1
+    done = train_draft(cfg, store_dir, vocab, tmp_path / "out", verifier=tiny_llama_verifier)
+    assert done.epochs_done == 1
+
+
+def test_damaged_checkpoint_is_refused_and_fails_the_reuse_check(random_store, tiny_llama_verifier, tmp_path):
+    """The best checkpoint's weights changed after training: a truncated file fails the reuse check (size), and a
+    rerun of the finished training refuses to hand it on (its sha256 no longer matches the one recorded)."""
+    store, vocab = random_store
+    cfg = TrainConfig(epochs=1, **TINY)
+    r = train_draft(cfg, store, vocab, tmp_path / "out", verifier=tiny_llama_verifier)
+    weights = Path(r.checkpoint_dir) / "model.safetensors"
+    assert r.weights_bytes == weights.stat().st_size and r.problems() == []
+    raw = bytearray(weights.read_bytes())
+    raw[len(raw) // 2:len(raw) // 2 + 4096] = bytes(4096)  # inside the weights (the tail is t2d: mostly zeros)
+    weights.write_bytes(bytes(raw))
+    assert r.problems() == []  # same size: the reuse check passes; validation and the flow compare the sha256
+    with pytest.raises(TrainError, match=rf"draft checkpoint {weights} does not match the sha256 recorded"):
+        train_draft(cfg, store, vocab, tmp_path / "out", verifier=tiny_llama_verifier)
+    weights.write_bytes(bytes(raw[:-100]))
+    assert r.problems() == [f"{weights} has {len(raw) - 100} bytes, {len(raw)} were recorded"]
+
+
+_TRAIN_CHILD = """
+import json, sys
+from eagle3.train.config import TrainConfig
+from eagle3.train.stage import train_draft
+job = json.loads(sys.argv[1])
+
+def on_progress(done, total, text):
+    if done == job["pause_at"]:  # this invocation's step count = the global step of a fresh run
+        print(f"paused at {done}", flush=True)
+        sys.stdin.readline()  # held here, inside the training loop, until the parent kills this process
+
+r = train_draft(TrainConfig(**job["cfg"]), job["store"], job["vocab"], job["out"], verifier=job["verifier"],
+                on_progress=on_progress)
+print(f"done {r.global_step}/{r.total_steps}", flush=True)
+"""
+
+
+def _train_child(job: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _TRAIN_CHILD, json.dumps(job)], cwd=REPO, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _line(p: subprocess.Popen, prefix: str, deadline_s: float) -> str:
+    """The child's first stdout line starting with ``prefix``, waiting at most ``deadline_s``."""
+    import select
+
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([p.stdout], [], [], 0.5)
+        if ready:
+            line = p.stdout.readline()
+            if line.startswith(prefix):
+                return line.strip()
+            assert line or p.poll() is None, f"child ended ({p.poll()}): {p.stderr.read()[-3000:]}"
+    raise AssertionError(f"no line {prefix!r} from the child within {deadline_s} s")
+
+
+@pytest.mark.slow
+def test_kill_9_mid_epoch_then_resume_writes_the_uninterrupted_metrics(random_store, tiny_llama_verifier, tmp_path):
+    """kill -9 of a training process in the middle of an epoch (state saved every step), then a resume: the same
+    metrics.jsonl as an uninterrupted run (train and val records; tokens_per_s is wall clock), the same weights."""
+    store, vocab = random_store
+    cfg = {**TINY, "epochs": 2, "batch_size": 1, "log_every_steps": 3, "save_state_every_steps": 1,
+           "loader_workers": 1}
+    job = {"cfg": cfg, "store": str(store), "vocab": str(vocab), "verifier": str(tiny_llama_verifier), "pause_at": 0}
+    full = _train_child({**job, "out": str(tmp_path / "full")})
+    total = int(_line(full, "done", 600).split("/")[1])
+    assert full.wait() == 0
+    per_epoch = total // 2
+    # a record step in epoch 2 whose previous step (the last state saved before the kill) is inside the epoch: the
+    # record after the resume covers steps from before the kill
+    pause = next(g for g in range(per_epoch + 1, total) if g % 3 == 0 and (g - 1) % per_epoch)
+
+    killed = _train_child({**job, "out": str(tmp_path / "resumed"), "pause_at": pause})
+    try:
+        assert _line(killed, "paused at", 600) == f"paused at {pause}"
+        assert killed.poll() is None  # still inside the training loop
+        os.kill(killed.pid, signal.SIGKILL)
+        assert killed.wait(60) == -signal.SIGKILL
+    finally:
+        killed.kill()
+        killed.wait()
+    state = ckpt.load_trainer_state(tmp_path / "resumed" / "latest")
+    assert state["progress"]["global_step"] == pause - 1 < total and state["progress"]["step_in_epoch"] > 0
+    assert [r["global_step"] for r in _metrics(tmp_path / "resumed") if r["event"] == "train"][-1] == pause
+    assert not ckpt.list_epoch_dirs(tmp_path / "resumed" / "checkpoints")[1:]  # epoch 2 never finished
+
+    resumed = _train_child({**job, "out": str(tmp_path / "resumed")})
+    assert _line(resumed, "done", 600) == f"done {total}/{total}" and resumed.wait() == 0
+    assert _records(tmp_path / "resumed") == _records(tmp_path / "full")
+    a = load_file(str(tmp_path / "full/checkpoints/epoch-002/model.safetensors"))
+    b = load_file(str(tmp_path / "resumed/checkpoints/epoch-002/model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)

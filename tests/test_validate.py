@@ -421,3 +421,12 @@ def test_prompt_file_rows_of_the_wrong_shape_are_one_clear_error(tmp_path):
         f.write_text(line + "\n")
         with pytest.raises(PromptError, match=rf"p{i}\.jsonl:1: "):
             read_prompt_messages(f, 1)
+
+
+def test_missing_verifier_is_reported_as_not_found(good, tmp_path):
+    from eagle3.validate.stage import validate_draft
+
+    missing = tmp_path / "no-such-verifier"
+    m = validate_draft(ValidateConfig(run_vllm=False, compare_untrained=False, offline_reference=False), good,
+                       tmp_path / "v", verifier=missing)
+    assert m.verdict == "fail" and any(f"verifier not found: {missing} does not exist" in r for r in m.reasons)

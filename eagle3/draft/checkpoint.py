@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from eagle3.draft.model import DraftConfig, Eagle3Draft
 from eagle3.support.dtypes import torch_dtype
-from eagle3.support.io import atomic_path, atomic_write_json
+from eagle3.support.io import atomic_path, atomic_write_json, save_safetensors
 from eagle3.support.provenance import git_revision, versions
 from eagle3.support.verifier import find_tensor_names, read_tensor
 
@@ -84,7 +84,7 @@ def save_draft(folder: str | os.PathLike, cfg: DraftConfig, state: dict[str, tor
     with atomic_path(folder) as tmp:
         tmp.mkdir(parents=True)
         (tmp / CONFIG).write_text(json.dumps(cfg.to_vllm_config(), indent=2) + "\n")
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        save_safetensors(tensors, tmp / WEIGHTS, metadata={"format": "pt"})
         (tmp / RUN_INFO).write_text(json.dumps(info, indent=2, sort_keys=True, default=str) + "\n")
     return folder
 
@@ -229,7 +229,7 @@ def save_trainer_state(folder: str | os.PathLike, state: dict[str, Any]) -> Path
     skeleton = _encode(state, tensors, "s")
     with atomic_path(folder) as tmp:
         tmp.mkdir(parents=True)
-        save_file(tensors, str(tmp / STATE_TENSORS), metadata={"format": "pt"})
+        save_safetensors(tensors, tmp / STATE_TENSORS, metadata={"format": "pt"})
         atomic_write_json(tmp / STATE_JSON, {"format": "eagle3-trainer-state/1", "state": skeleton})
     return folder
 

@@ -6,8 +6,10 @@ Pipeline position: prepare -> capacity -> **extract** -> vocab / train. Reads th
 Order of work in ``extract_hidden_states``:
 1. check the inputs (verifier folder, aux ids in vLLM's convention, dataset columns, token ids < vocab), so bad
    input fails in seconds with one clear error and before any lock or model load;
-2. create or re-open the store; resume: drop temp files of this shard, keep finished samples whose file verifies
-   against the manifest, repair the manifest (duplicates, torn lines, bad entries);
+2. create or re-open the store; resume: drop temp files of this shard, rebuild the manifest lines of intact files
+   it lost (deleted or torn manifest), keep finished samples whose file verifies against the manifest, repair the
+   manifest (duplicates, torn lines, bad entries); a store whose every sample of the shard is in place is resumed
+   without the device guard and without loading the model;
 3. enter the device guard (the host GPU lock, and in the pipeline the host's Prefect concurrency slots too;
    ``eagle3.support.gpu.DeviceGuard``) BEFORE the model loads, run the CUDA preflight;
 4. load the verifier ONCE and stream batches: forward -> writer thread (overlaps disk with the next forward).
@@ -21,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -35,8 +38,12 @@ from eagle3.extract.store import (
     STORE_JSON,
     AsyncStoreWriter,
     HiddenStateStore,
+    StoreError,
+    append_manifest_entries,
     clean_temp_files,
     ensure_store,
+    entry_from_file,
+    final_file,
     read_manifest,
     repair_manifest,
     store_meta,
@@ -103,11 +110,30 @@ class HiddenStates(Artifact):
     token_budget_history: list[int] = Field(description="Padded tokens per batch, after each OOM halving.")
     temp_files_removed: int = Field(0, description="Crash leftovers of this shard removed on resume.")
     manifest_entries_dropped: int = Field(0, description="Manifest entries dropped on resume (bad files).")
+    manifest_entries_rebuilt: int = Field(0, description="Manifest lines rebuilt on resume from intact sample files "
+                                          "the manifest had lost (deleted or torn manifest).")
     vllm_logs: list[str] = Field(default_factory=list, description="vLLM backend: the whole output of each driver "
                                  "start of this run (the logs carry vLLM's errors and the driver's own lines).")
 
     def outputs(self) -> list[str]:
         return [self.store_path]
+
+    def problems(self) -> list[str]:
+        """Reuse check (sizes, not content: docs/DESIGN.md "Caching"): store.json and manifest.jsonl in place, the
+        manifest byte-identical to the one this artifact describes (sha256), and every listed sample's file in
+        place with its recorded size. Content hashes are checked where the samples are read (the trainer's loader)."""
+        if missing := super().problems():
+            return missing
+        store_dir = Path(self.store_path)
+        manifest = store_dir / MANIFEST
+        if not manifest.is_file():
+            return [f"{manifest} is missing"]
+        if sha256_file(manifest) != self.manifest_sha256:
+            return [f"{manifest} changed since extraction wrote it (sha256 differs from the artifact's)"]
+        try:
+            return HiddenStateStore(store_dir).check_sizes()
+        except StoreError as e:
+            return [str(e)]
 
 
 # ------------------------------------------------------------------------------------------------- input checks
@@ -161,13 +187,38 @@ def _shard(cfg: ExtractConfig, n: int) -> tuple[int, int]:
 # ------------------------------------------------------------------------------------------------------ resume
 
 
-def resume_state(store_dir: Path, start: int, end: int, check: str) -> tuple[set[int], int, int]:
-    """(finished indices in [start, end) that verify, temp files removed, manifest entries dropped)."""
+@dataclass
+class Resumed:
+    """What resuming into a store found for one shard."""
+
+    done: set[int]  # finished indices of the shard whose file verifies
+    temps_removed: int  # crash leftovers removed
+    dropped: int  # manifest entries dropped (bad or missing files): extracted again
+    rebuilt: int  # manifest lines rebuilt from intact files the manifest had lost
+
+
+def resume_state(store_dir: Path, start: int, end: int, check: str, ds=None) -> Resumed:
+    """Resume shard [start, end) of the store: remove this shard's temp files, rebuild the manifest lines of
+    samples whose file is in place under its final name but unlisted (``entry_from_file``: a deleted or torn
+    manifest, or a crash between the rename and the append; with the dataset ``ds``, the file must also hold that
+    row's input_ids and loss_mask), check every listed sample (``check``: "sha256" or "size"; rebuilt ones were just
+    hashed) and drop the bad ones from the manifest so they are extracted again."""
     removed = clean_temp_files(store_dir, start, end)
     store = HiddenStateStore(store_dir, strict=False)
-    mine = [i for i in store.indices() if start <= i < end]
+    group = int(store.meta["group_size"])
+    orphans = [i for i in range(start, end) if i not in store and final_file(store_dir, i, group) is not None]
+    rebuilt: dict[int, dict[str, Any]] = {}
     with ThreadPoolExecutor(max_workers=4) as pool:  # hashing releases the GIL
-        reasons = list(pool.map(lambda i: store.check_file(i, hash_check=check == "sha256"), mine))
+        if orphans:
+            for i, entry in zip(orphans, pool.map(lambda i: _rebuilt_entry(store_dir, i, group), orphans)):
+                if entry is not None:
+                    rebuilt[i] = entry
+            append_manifest_entries(store_dir, (rebuilt[i] for i in sorted(rebuilt)))
+            store = HiddenStateStore(store_dir, strict=False)
+        mine = [i for i in store.indices() if start <= i < end]
+        reasons = list(pool.map(lambda i: store.check_file(i, hash_check=check == "sha256" and i not in rebuilt),
+                                mine))
+    reasons = [r or (_dataset_mismatch(store, i, ds) if i in rebuilt else None) for i, r in zip(mine, reasons)]
     bad = {i for i, r in zip(mine, reasons) if r is not None}
     for i, r in zip(mine, reasons):
         if r is not None:
@@ -175,10 +226,31 @@ def resume_state(store_dir: Path, start: int, end: int, check: str) -> tuple[set
     repair_manifest(store_dir, drop=bad)
     if removed:
         log.info("resume: removed %d temp files left by an interrupted run", removed)
+    if rebuilt:
+        log.info("resume: rebuilt %d manifest lines from sample files the manifest had lost (%d of them kept)",
+                 len(rebuilt), len(set(rebuilt) - bad))
     if mine:
         log.info("resume: %d of %d samples of shard [%d, %d) already in the store and verified (%s)",
                  len(mine) - len(bad), end - start, start, end, check)
-    return set(mine) - bad, removed, len(bad)
+    return Resumed(set(mine) - bad, removed, len(bad - set(rebuilt)), len(set(rebuilt) - bad))
+
+
+def _rebuilt_entry(store_dir: Path, index: int, group_size: int) -> dict[str, Any] | None:
+    try:
+        return entry_from_file(store_dir, index, group_size)
+    except StoreError as e:
+        log.warning("resume: sample %d will be extracted again: %s", index, e)
+        return None
+
+
+def _dataset_mismatch(store: HiddenStateStore, index: int, ds) -> str | None:
+    """Why a rebuilt sample is not dataset row ``index`` (its input_ids / loss_mask differ), or None."""
+    if ds is None:
+        return None
+    row, t = ds[index], store.load(index)
+    if t["input_ids"].tolist() != list(row["input_ids"]) or t["loss_mask"].tolist() != list(row["loss_mask"]):
+        return f"file {store.file(index)} holds other tokens than dataset row {index}"
+    return None
 
 
 # ------------------------------------------------------------------------------------------------ the main loop
@@ -344,9 +416,11 @@ def extract_hidden_states(
                              "samples_unfittable": [], "token_budget_history": [cfg.max_tokens_per_batch]}
     t_start = time.monotonic()
     listed = read_manifest(store_dir, strict=False)
-    temps_removed = dropped = 0
-    if all(i in listed for i in range(start, end)):  # looks complete: verify without holding the devices
-        done, temps_removed, dropped = resume_state(store_dir, start, end, cfg.resume_check)
+    temps_removed = dropped = rebuilt = 0
+    if all(i in listed or final_file(store_dir, i, meta["group_size"]) is not None for i in range(start, end)):
+        # looks complete (every sample listed, or in place to be listed again): verify without holding the devices
+        r = resume_state(store_dir, start, end, cfg.resume_check, ds)
+        done, temps_removed, dropped, rebuilt = r.done, r.temps_removed, r.dropped, r.rebuilt
         todo = {i: lengths[i] for i in range(start, end) if i not in done}
     else:
         todo = {i: lengths[i] for i in range(start, end)}
@@ -355,8 +429,9 @@ def extract_hidden_states(
         with (guard or file_lock_guard(logger=log))(gpu_ids) as lock_fds:
             # resume under the guard: a job that waited for it sees what the previous holder wrote, and no other
             # job on these devices is writing temp files of this shard while they are cleaned up
-            done, removed, bad = resume_state(store_dir, start, end, cfg.resume_check)
-            temps_removed, dropped = temps_removed + removed, dropped + bad
+            r = resume_state(store_dir, start, end, cfg.resume_check, ds)
+            done = r.done
+            temps_removed, dropped, rebuilt = temps_removed + r.temps_removed, dropped + r.dropped, rebuilt + r.rebuilt
             todo = {i: lengths[i] for i in range(start, end) if i not in done}
             progress = _start(cfg, todo, start, end, len(ds), aux_ids, on_progress)
             if todo and gpu_ids and cfg.min_free_gpu_memory_fraction > 0:
@@ -391,7 +466,7 @@ def extract_hidden_states(
         tokens_per_second=tokens_written / extract_s if extract_s > 0 else 0.0, extract_seconds=extract_s,
         model_load_seconds=stats["model_load_seconds"], model_loads=stats["model_loads"],
         token_budget_history=stats["token_budget_history"], temp_files_removed=temps_removed,
-        manifest_entries_dropped=dropped, vllm_logs=stats.get("vllm_logs", []),
+        manifest_entries_dropped=dropped, manifest_entries_rebuilt=rebuilt, vllm_logs=stats.get("vllm_logs", []),
     )
     result.save()
     log.info("extract: done: %d samples written (%s tokens, %s bytes) at %s tok/s, %d resumed, %d unfittable "

@@ -15,8 +15,15 @@ store/rows_<a>-<b>/sample_<index:09d>.safetensors
 
 A sample file exists under its final name only once complete (temp name + fsync + rename), and a manifest line
 exists only for a file that is in place, so a crash at any point leaves at worst a stray temp file (removed by the
-next run) or a complete file without a manifest line (rewritten by the next run). A torn last manifest line
-(``kill -9`` inside the write) is ignored by the reader. Nothing here unpickles: safetensors only.
+next run) or a complete file without a manifest line (its line is rebuilt from the file by the next run:
+``entry_from_file``). A torn last manifest line (``kill -9`` inside the write) is ignored by the reader. Every
+manifest ``file`` must name a file inside the store (``rows_*/sample_*.safetensors``, no symlink), else StoreError.
+Nothing here unpickles: safetensors only.
+
+Integrity: the manifest holds each sample's byte size and sha256. ``check_sizes`` (one ``lstat`` per sample) is the
+check a reused store always passes; ``verify_sample`` hashes a sample on its first read by a store object (the
+trainer's loader workers), and a sample that fails is moved to ``quarantine/`` so that extraction's resume sees it
+missing and extracts it again.
 
 ``HiddenStateStore`` memory-maps sample files (``torch.UntypedStorage.from_file``, private mapping), so reading a
 sample costs page-cache reads of the rows actually touched, not a copy of the file.
@@ -30,10 +37,12 @@ import hashlib
 import json
 import os
 import queue
+import stat
 import struct
 import threading
-from collections.abc import Callable, Iterator
-from pathlib import Path
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -46,6 +55,7 @@ from eagle3.support.io import atomic_write_bytes, atomic_write_json, atomic_writ
 FORMAT = "eagle3-hidden-states/1"
 STORE_JSON = "store.json"
 MANIFEST = "manifest.jsonl"
+QUARANTINE = "quarantine"  # samples that failed their hash check, moved aside for inspection (never read again)
 DEFAULT_GROUP_SIZE = 2000
 TMP_SUFFIX = ".tmp"
 KEYS = ("aux_hidden_states", "final_hidden_state", "input_ids", "loss_mask")
@@ -63,6 +73,10 @@ _RESUME_KEYS = ("format", "verifier_fingerprint", "aux_layer_ids", "hidden_size"
 
 class StoreError(ValueError):
     """A store folder, its metadata or one of its samples is not usable; the message names the path / sample."""
+
+
+class CorruptSample(StoreError):
+    """A sample's file does not match its manifest line (size, sha256, header); it was moved to quarantine/."""
 
 
 def group_dir_name(index: int, group_size: int) -> str:
@@ -216,7 +230,15 @@ def _locked_manifest(store_dir: Path) -> Iterator[int]:
 def append_manifest(store_dir: str | os.PathLike, entry: dict[str, Any]) -> None:
     """Append one manifest line durably: a single ``write`` under ``flock`` (several shard writers may share a store
     folder), then fsync. Call only after the sample's file is renamed into place."""
-    line = (json.dumps(entry, sort_keys=True) + "\n").encode()
+    append_manifest_entries(store_dir, [entry])
+
+
+def append_manifest_entries(store_dir: str | os.PathLike, entries: Iterable[dict[str, Any]]) -> None:
+    """``append_manifest`` for many entries at once: one write and one fsync (a rebuilt manifest of 1M lines would
+    otherwise cost 1M fsyncs)."""
+    line = "".join(json.dumps(e, sort_keys=True) + "\n" for e in entries).encode()
+    if not line:
+        return
     with _locked_manifest(Path(store_dir)) as fd:
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
@@ -252,8 +274,19 @@ def write_sample(
     return entry
 
 
+def inside_store(rel: object) -> bool:
+    """True when a manifest ``file`` names a sample file inside the store: the relative path
+    ``rows_<a>-<b>/sample_<index>.safetensors`` (never absolute, never ``..``; symlinks are refused when read)."""
+    if not isinstance(rel, str) or "\\" in rel:
+        return False
+    p = PurePosixPath(rel)
+    return (not p.is_absolute() and len(p.parts) == 2 and p.parts[0].startswith("rows_")
+            and p.name.startswith("sample_") and p.suffix == ".safetensors" and ".." not in p.parts)
+
+
 def _parse_manifest(raw: bytes, path: Path, strict: bool) -> tuple[dict[int, dict[str, Any]], int, int]:
-    """(index -> latest entry, number of lines, number of damaged lines)."""
+    """(index -> latest entry, number of lines, number of damaged lines). A line whose ``file`` does not lie inside
+    the store is damage wherever it is (strict: StoreError naming the line)."""
     lines = raw.split(b"\n")
     out: dict[int, dict[str, Any]] = {}
     n_lines = bad = 0
@@ -270,6 +303,13 @@ def _parse_manifest(raw: bytes, path: Path, strict: bool) -> tuple[dict[int, dic
             if strict and n != len(lines):  # a torn LAST line (no newline yet) is a crash leftover, not damage
                 raise StoreError(f"{path} line {n} is not a manifest entry: {line[:200]!r} "
                                  f"(rerun extraction into this store to repair it)") from None
+            continue
+        if not inside_store(entry["file"]):
+            bad += 1
+            if strict:
+                raise StoreError(f"{path} line {n}: file {entry['file']!r} of sample {idx} does not lie inside the "
+                                 f"store (want a relative rows_<a>-<b>/sample_<index>.safetensors, no '..'); rerun "
+                                 f"extraction into this store to repair the manifest")
             continue
         out[idx] = entry
     return out, n_lines, bad
@@ -399,6 +439,32 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, Any], int]:
     return header, 8 + n
 
 
+def final_file(store_dir: str | os.PathLike, index: int, group_size: int) -> Path | None:
+    """Sample ``index``'s file under its final name when it is there as a regular file (not a symlink), else None."""
+    path = Path(store_dir) / sample_relpath(index, group_size)
+    try:
+        return path if stat.S_ISREG(os.lstat(path).st_mode) else None
+    except FileNotFoundError:
+        return None
+
+
+def entry_from_file(store_dir: str | os.PathLike, index: int, group_size: int) -> dict[str, Any]:
+    """Sample ``index``'s manifest entry rebuilt from its file under the final name (the manifest lost the line:
+    deleted, torn, or a crash between the rename and the append). Files reach their final name only complete
+    (temp + fsync + rename), so the bytes are the sample: its sha256 and size are read off the file, its tokens off
+    the header's input_ids. Shapes and dtypes are checked once listed (``HiddenStateStore.check_file``); raises
+    StoreError when the file is missing, a symlink, or has no readable header."""
+    path = final_file(store_dir, index, group_size)
+    if path is None:
+        raise StoreError(f"sample {index}: no regular file {Path(store_dir) / sample_relpath(index, group_size)}")
+    header, _ = read_header(path)
+    ids = header.get("input_ids")
+    if not isinstance(ids, dict) or len(ids.get("shape") or []) != 1:
+        raise StoreError(f"{path}: no 1-D input_ids tensor in its header")
+    return {"index": int(index), "file": sample_relpath(index, group_size), "tokens": int(ids["shape"][0]),
+            "sha256": sha256_file(path), "bytes": path.stat().st_size}
+
+
 def mmap_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Tensors of a safetensors file as views of one private memory map (no copy; pages load on access)."""
     path = Path(path)
@@ -447,6 +513,8 @@ class HiddenStateStore:
             raise StoreError(f"{meta_path}: format {self.meta.get('format')!r}, expected {FORMAT!r}")
         self._entries = read_manifest(self.path, strict=strict)
         self._sorted = sorted(self._entries)
+        self._verified: set[int] = set()  # samples whose file passed verify_sample (hashed once per store object)
+        self._groups_ok: set[Path] = set()  # rows_* folders seen to be real folders (not symlinks)
 
     @property
     def hidden_size(self) -> int:
@@ -496,8 +564,8 @@ class HiddenStateStore:
 
     def load(self, index: int) -> dict[str, torch.Tensor]:
         path = self.file(index)
-        if not path.is_file():
-            raise StoreError(f"sample {index}: file {path} listed in the manifest is missing")
+        if (problem := self._file_problem(index, sizes=False)) is not None:
+            raise StoreError(f"sample {index}: {problem}")
         tensors = mmap_safetensors(path)
         self._check(index, path, tensors)
         return tensors
@@ -516,14 +584,71 @@ class HiddenStateStore:
             if t[k].dtype != self.dtype:
                 raise StoreError(f"sample {index} ({path}): {k} is {t[k].dtype}, store dtype is {self.meta['dtype']}")
 
-    def check_file(self, index: int, hash_check: bool = True) -> str | None:
-        """None when sample ``index`` is intact, else the reason (size/sha256 mismatch, bad header, shapes)."""
+    def _file_problem(self, index: int, sizes: bool = True) -> str | None:
+        """None when sample ``index``'s listed file is a regular file inside the store (neither it nor its rows_*
+        folder a symlink) with the manifest's byte size (``sizes``), else the reason. One lstat per call, plus one
+        per rows_* folder per store object."""
         entry = self.entry(index)
         path = self.path / entry["file"]
-        if not path.is_file():
+        try:
+            st = os.lstat(path)
+            if path.parent not in self._groups_ok:
+                if stat.S_ISLNK(os.lstat(path.parent).st_mode):
+                    return f"folder {path.parent} is a symlink (a store's files must lie inside the store)"
+                self._groups_ok.add(path.parent)
+        except FileNotFoundError:
             return f"file {path} is missing"
-        if "bytes" in entry and path.stat().st_size != int(entry["bytes"]):
-            return f"file {path} has {path.stat().st_size} bytes, manifest says {entry['bytes']}"
+        if stat.S_ISLNK(st.st_mode):
+            return f"file {path} is a symlink (a store's files must lie inside the store)"
+        if not stat.S_ISREG(st.st_mode):
+            return f"{path} is not a regular file"
+        if sizes and "bytes" in entry and st.st_size != int(entry["bytes"]):
+            return f"file {path} has {st.st_size} bytes, manifest says {entry['bytes']}"
+        return None
+
+    def check_sizes(self) -> list[str]:
+        """The check every reuse of the store passes: each listed sample's file is in place (inside the store) with
+        its recorded byte size. One lstat per sample (cost: docs/DESIGN.md, "Caching"); [] when all pass."""
+        return [f"sample {i}: {p}" for i in self._sorted if (p := self._file_problem(i)) is not None]
+
+    def verify_sample(self, index: int) -> None:
+        """Check sample ``index`` against its manifest line (size, sha256, header, shapes) on its first call per
+        store object: the trainer's loader workers each hold one, so every sample is hashed on its first read of a
+        run, while the model computes. A sample that fails is moved to ``quarantine/`` (never read again, and
+        extraction's resume sees it missing and extracts it anew) and CorruptSample names it and what to do."""
+        if index in self._verified:
+            return
+        reason = self.check_file(index)
+        if reason is None:
+            self._verified.add(index)
+            return
+        moved = self.quarantine(index)
+        where = f"moved to {moved}" if moved else "left where it is"
+        raise CorruptSample(
+            f"sample {index} of store {self.path} is damaged: {reason}. It was not trained on ({where}). Rerun the "
+            f"pipeline: its extraction stage extracts this sample again (only the missing ones) and training "
+            f"resumes; outside the pipeline, rerun extraction into {self.path} first")
+
+    def quarantine(self, index: int) -> Path | None:
+        """Move sample ``index``'s file to ``<store>/quarantine/`` (its manifest line stays, so every reader sees
+        the file missing until extraction writes it again). None when the file is already gone (another loader
+        worker moved it) or cannot be moved."""
+        src = self.path / self.entry(index)["file"]
+        dst = self.path / QUARANTINE / f"{src.name}.{time.strftime('%Y%m%d-%H%M%S')}.{os.getpid()}"
+        try:
+            dst.parent.mkdir(exist_ok=True)
+            os.rename(src, dst)
+        except OSError:
+            return None
+        return dst
+
+    def check_file(self, index: int, hash_check: bool = True) -> str | None:
+        """None when sample ``index`` is intact, else the reason (missing, symlink, size/sha256 mismatch, bad
+        header, shapes)."""
+        path = self.file(index)
+        entry = self.entry(index)
+        if (problem := self._file_problem(index)) is not None:
+            return problem
         if hash_check and sha256_file(path) != entry["sha256"]:
             return f"file {path} does not match its manifest sha256"
         try:

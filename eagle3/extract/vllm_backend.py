@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from eagle3.extract.config import ExtractConfig
 from eagle3.extract.store import MANIFEST
 from eagle3.support.gpu import OutOfMemoryAfterRetries, is_oom_text
+from eagle3.support.io import save_safetensors
 from eagle3.support.paths import vllm_python, vllm_subprocess_env
 from eagle3.support.subproc import run_subprocess
 from eagle3.support.verifier import VerifierSpec
@@ -52,8 +52,8 @@ def write_work_file(path: Path, ds, indices: list[int]) -> None:
             mask_parts.append(torch.as_tensor(mask, dtype=torch.uint8))
             offsets.append(offsets[-1] + len(ids))
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({"index": torch.as_tensor(indices, dtype=torch.long), "offsets": torch.as_tensor(offsets),
-               "input_ids": torch.cat(ids_parts), "loss_mask": torch.cat(mask_parts)}, str(path))
+    save_safetensors({"index": torch.as_tensor(indices, dtype=torch.long), "offsets": torch.as_tensor(offsets),
+                      "input_ids": torch.cat(ids_parts), "loss_mask": torch.cat(mask_parts)}, path)
 
 
 class _ManifestTail:

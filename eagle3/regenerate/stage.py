@@ -30,7 +30,7 @@ from pydantic import Field
 
 from eagle3.prepare import BadRow, PrepareConfig, PreparedData, iter_rows, load_prepared, normalize_row
 from eagle3.regenerate.config import RegenerateConfig
-from eagle3.support.artifacts import Artifact
+from eagle3.support.artifacts import Artifact, file_problem
 from eagle3.support.dtypes import describe_compute_dtype
 from eagle3.support.gpu import DeviceGuard, OutOfMemoryAfterRetries, cuda_device_ids, file_lock_guard
 from eagle3.support.io import atomic_write_json, atomic_write_text, sha256_file
@@ -76,6 +76,11 @@ class RegeneratedData(Artifact):
 
     def outputs(self) -> list[str]:
         return [self.conversations_path, self.stats_path]
+
+    def problems(self) -> list[str]:
+        """Reuse check: conversations.jsonl's sha256 is the fingerprint (text: ~4 KB per conversation)."""
+        return super().problems() or [p for p in [file_problem(self.conversations_path, sha256=self.fingerprint)]
+                                      if p]
 
 
 def read_journal(path: Path) -> dict[int, dict]:

@@ -8,6 +8,10 @@ unchanged, the flow passes it along, and the cache key of the next stage reads o
 fingerprints of the artifacts nested in it), never a path. Artifacts carry no tensors.
 
 Every artifact is also written as ``<out_dir>/artifact.json``, so a stage folder says what it holds.
+
+A cached artifact is reused only when ``problems()`` finds nothing: by default its outputs exist; each stage's
+artifact adds the checks cheap enough for every reuse (file sizes; the sha256 of small files). What each checks and
+what it costs: docs/DESIGN.md, "Caching".
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any, ClassVar, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 from typing_extensions import Self
 
-from eagle3.support.io import atomic_write_json
+from eagle3.support.io import atomic_write_json, sha256_file
 
 ARTIFACT_FILE = "artifact.json"
 A = TypeVar("A", bound="Artifact")
@@ -43,6 +47,11 @@ class Artifact(BaseModel):
     def missing_outputs(self) -> list[str]:
         return [p for p in self.outputs() if not Path(p).exists()]
 
+    def problems(self) -> list[str]:
+        """Why this artifact cannot be reused as it is ([] = reusable): by default its missing outputs; stages add
+        their integrity checks (a cached result with problems is recomputed: tasks/common.py ``run_stage``)."""
+        return [f"{p} is missing" for p in self.missing_outputs()]
+
     def save(self) -> Path:
         return atomic_write_json(Path(self.out_dir) / ARTIFACT_FILE, self.model_dump(mode="json"))
 
@@ -53,6 +62,19 @@ class Artifact(BaseModel):
             return cls.model_validate(json.loads(path.read_text()))
         except (OSError, ValueError) as e:
             raise ValueError(f"{path}: not a readable {cls.__name__} artifact ({e})") from None
+
+
+def file_problem(path: str | Path, sha256: str | None = None, size: int | None = None) -> str | None:
+    """Why the file at ``path`` is not the one an artifact recorded (missing, another byte size, another sha256;
+    ``None`` skips that check), or None when it is."""
+    path = Path(path)
+    if not path.is_file():
+        return f"{path} is missing"
+    if size is not None and path.stat().st_size != size:
+        return f"{path} has {path.stat().st_size} bytes, {size} were recorded"
+    if sha256 is not None and sha256_file(path) != sha256:
+        return f"{path} changed since it was written (sha256 differs from the recorded one)"
+    return None
 
 
 def with_producer(artifact: A, producer: str) -> A:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from eagle3.support.io import atomic_path, atomic_write_json, sha256_file
+from eagle3.support.io import atomic_path, atomic_write_json, sha256_file, usual_mode
 from eagle3.support.paths import MODELS_DIR, REPO_ROOT
 
 # The one place these are spelled: setup_envs.sh, the tests and the presets read them from here.
@@ -170,7 +170,7 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: torch.dtype 
         generation.save_pretrained(tmp)
         atomic_write_json(tmp / CONVERSION_FILE, record)  # before the check: REQUIRED_FILES includes it
         for f in tmp.iterdir():
-            f.chmod(0o644)  # safetensors leaves model.safetensors 0600; a model folder is shared like any artifact
+            usual_mode(f)  # safetensors leaves model.safetensors 0600; a model folder is shared like any artifact
         n = check_converted(tmp, dtype)
         if n != expected:
             raise GGUFConvertError(f"{gguf_file}: {n} tensors saved, the model has {expected} (tied ones once)")

@@ -27,7 +27,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; artifacts are shared files like any other
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; artifacts are shared files like any other (usual_mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -38,6 +38,23 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             os.unlink(tmp)
         raise
     return path
+
+
+def usual_mode(path: str | os.PathLike) -> None:
+    """Give a file the mode any new file gets under this process's umask (0644 under umask 022): writers that
+    create files owner-only (safetensors: 0600, mkstemp) would make an artifact unreadable to a vLLM server or a
+    colleague running under another account."""
+    os.chmod(path, 0o666 & ~_UMASK)
+
+
+def save_safetensors(tensors: dict[str, Any], path: str | os.PathLike, metadata: dict[str, str] | None = None) -> Path:
+    """``safetensors.torch.save_file`` with the usual file mode (``usual_mode``): THE way eagle3 writes a
+    safetensors file to a path (callers write to a temp path and rename, e.g. inside ``atomic_path``)."""
+    from safetensors.torch import save_file  # late: this module is imported where only the stdlib is wanted
+
+    save_file(tensors, str(path), metadata=metadata)
+    usual_mode(path)
+    return Path(path)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:

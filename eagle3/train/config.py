@@ -48,6 +48,12 @@ class TrainConfig(BaseModel):
     save_state_every_steps: int = Field(0, ge=0, description="Also write the resume state every this many "
                                         "optimizer steps inside an epoch (0 = only at epoch ends).",
         json_schema_extra=RUNTIME)
+    save_state_every_minutes: float = Field(10.0, ge=0, description="Also write the resume state inside an epoch "
+                                            "once this many minutes of training have passed since the last save, "
+                                            "so a kill loses minutes, not an epoch (0 = off). One save writes the "
+                                            "fp32 weights and Adam moments: 12 bytes per trainable parameter; its "
+                                            "time is logged (docs/DESIGN.md, 'Resume').",
+        json_schema_extra=RUNTIME)
     stop_after_steps: int | None = Field(None, gt=0, description="End this invocation once the run has made this "
                                          "many optimizer steps in total, saving the resume state (time-boxed "
                                          "jobs); the schedule still spans all epochs. None = run to the end.",

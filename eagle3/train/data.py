@@ -1,6 +1,7 @@
 """The trainer's input: split the store's samples, pack them into rows of max_seq_len tokens, collate rows into
 micro-batches, and serve the run's optimizer steps through a torch DataLoader (worker processes read and collate
-while the model computes; pinned memory on CUDA).
+while the model computes; pinned memory on CUDA). Every sample is checked against its manifest sha256 on its first
+read of a run, in the loader, before it is collated (``verify_bins``).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle3.extract.store import HiddenStateStore
+from eagle3.extract.store import HiddenStateStore, StoreError
 from eagle3.train.config import TrainError
 from eagle3.train.ttt import ttt_counted
 
@@ -116,6 +117,25 @@ def collate(store: HiddenStateStore, bins: list[list[int]], max_seq_len: int, tt
     return out
 
 
+@dataclass(frozen=True)
+class DamagedSample:
+    """What the loader hands back instead of a step's batches when one of its samples failed verification (the
+    trainer raises it as one TrainError: its own message, not a loader worker's traceback)."""
+
+    message: str
+
+
+def verify_bins(store: HiddenStateStore, bins: list[list[int]]) -> DamagedSample | None:
+    """Verify every sample of ``bins`` (rows of sample indices) before any is collated: each is hashed on its first
+    read by this store object (``HiddenStateStore.verify_sample``; a damaged one is quarantined), so no step is
+    trained on a damaged sample. In a loader worker the hashing overlaps the model's compute."""
+    for row in bins:
+        for i in row:
+            try:
+                store.verify_sample(i)
+            except StoreError as e:
+                return DamagedSample(str(e))
+    return None
 
 
 @dataclass(frozen=True)
@@ -167,15 +187,18 @@ class _StepBatches(torch.utils.data.Dataset):
         self.__dict__.update(state)
         self.store = HiddenStateStore(state["store"])
 
-    def __getitem__(self, key: tuple[int, int]) -> list[Batch]:
+    def __getitem__(self, key: tuple[int, int]) -> list[Batch] | DamagedSample:
         epoch, step = key
-        return [collate(self.store, bins, self.max_seq_len, self.ttt_steps, self.vocab_size)
-                for bins in self.plan.micro_bins(epoch, step)]
+        micro = self.plan.micro_bins(epoch, step)
+        if (bad := verify_bins(self.store, [row for bins in micro for row in bins])) is not None:
+            return bad
+        return [collate(self.store, bins, self.max_seq_len, self.ttt_steps, self.vocab_size) for bins in micro]
 
 
 class StepLoader:
     """The trainer's input pipeline: a torch DataLoader over the run's remaining (epoch, step) pairs, yielding each
-    optimizer step's micro-batches (``list[Batch]``). ``workers`` processes (spawned: the trainer's own process runs
+    optimizer step's micro-batches (``list[Batch]``, or a ``DamagedSample`` when a sample of the step failed its
+    first-read hash check). ``workers`` processes (spawned: the trainer's own process runs
     threads that fork must not copy) read the store and collate ahead of the model, 2 steps per worker in flight;
     0 = load in this process. Pinned memory when training on CUDA."""
 

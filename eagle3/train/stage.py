@@ -17,8 +17,9 @@ from typing import Any, ClassVar
 import torch
 from pydantic import Field
 
+from eagle3.draft import checkpoint as ckpt
 from eagle3.extract.stage import HiddenStates
-from eagle3.support.artifacts import Artifact
+from eagle3.support.artifacts import Artifact, file_problem
 from eagle3.support.dtypes import device_type
 from eagle3.support.gpu import DeviceGuard, cuda_device_ids, file_lock_guard
 from eagle3.support.io import sha256_json
@@ -41,6 +42,8 @@ class DraftCheckpoint(Artifact):
                                        "its first epoch ended.")
     weights_sha256: str | None = Field(description="sha256 of the checkpoint's model.safetensors, recorded at "
                                        "training: validation and the flow's summary compare it.")
+    weights_bytes: int | None = Field(None, description="Byte size of the checkpoint's model.safetensors, recorded "
+                                      "at training (the reuse check).")
     config_sha256: str | None = Field(description="sha256 of the checkpoint's config.json.")
     verifier: VerifierIdentity = Field(description="The verifier the draft was trained against.")
     aux_layer_ids: list[int] = Field(description="vLLM convention: id k = residual stream entering decoder layer k.")
@@ -68,6 +71,16 @@ class DraftCheckpoint(Artifact):
 
     def outputs(self) -> list[str]:
         return [p for p in (self.checkpoint_dir, self.metrics_path, self.latest_state) if p]
+
+    def problems(self) -> list[str]:
+        """Reuse check: model.safetensors has its recorded size and config.json its recorded sha256. The weights'
+        own sha256 (GBs at Kimi size) is compared where they are used: validation and the flow's final summary."""
+        if (missing := super().problems()) or not self.checkpoint_dir:
+            return missing
+        folder = Path(self.checkpoint_dir)
+        checks = [file_problem(folder / ckpt.WEIGHTS, size=self.weights_bytes),
+                  file_problem(folder / ckpt.CONFIG, sha256=self.config_sha256)]
+        return [p for p in checks if p]
 
 
 def run_local(cfg: TrainConfig, store_dir: str | Path, vocab_path: str | Path, verifier_path: str | Path,

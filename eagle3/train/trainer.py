@@ -34,7 +34,17 @@ from eagle3.support.progress import Progress
 from eagle3.support.settings import output_view
 from eagle3.support.verifier import VerifierSpec, load_verifier_head, verifier_fingerprint
 from eagle3.train.config import TrainConfig, TrainError
-from eagle3.train.data import Batch, BatchPlan, StepLoader, collate, pack_samples, packing_efficiency, split_indices
+from eagle3.train.data import (
+    Batch,
+    BatchPlan,
+    DamagedSample,
+    StepLoader,
+    collate,
+    pack_samples,
+    packing_efficiency,
+    split_indices,
+    verify_bins,
+)
 from eagle3.train.schedule import lr_at
 from eagle3.train.ttt import N_STATS, TrainingTimeTest, summarize
 from eagle3.vocab import load_mapping
@@ -91,6 +101,7 @@ class Trainer:
         self.ckpt_dir, self.latest_dir = self.out_dir / "checkpoints", self.out_dir / "latest"
         self.metrics_path = self.out_dir / METRICS
         self._loader: StepLoader | None = None
+        self._last_save = time.monotonic()  # when the resume state was last written (save_state_every_minutes)
 
     # --- setup ------------------------------------------------------------------------------------------------
 
@@ -108,6 +119,11 @@ class Trainer:
         except StoreError as e:
             raise TrainError(str(e)) from None
         self._check_inputs(spec)
+        if problems := self.store.check_sizes():  # one lstat per sample; content is hashed on first read
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise TrainError(f"store {self.store_dir}: {len(problems)} samples are not in place: "
+                             f"{'; '.join(problems[:5])}{more}. Rerun extraction into this store (the pipeline "
+                             f"does on its next run: only these samples are extracted again), then training")
         d2t, t2d = load_mapping(self.vocab_path)
         if len(d2t) > spec.vocab_size:
             raise TrainError(f"vocab mapping {self.vocab_path}: draft vocab {len(d2t)} is larger than the verifier's "
@@ -140,6 +156,9 @@ class Trainer:
         params = [p for p in self.draft.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
         self.epoch, self.step_in_epoch, self.global_step, self.tokens_seen = 0, 0, 0, 0
+        # [K, N_STATS] float64: TTT stats of the steps since the last train record (or the epoch start); part of
+        # the resume state, so the first record after a resume covers the same steps as in an uninterrupted run
+        self.window = torch.zeros(cfg.ttt_steps, N_STATS, dtype=torch.float64)
         self.best: dict[str, Any] = {"epoch": None, "sim_accept_len": -1.0}
         self.history: list[dict[str, Any]] = []
         if self.dist.main:
@@ -230,25 +249,31 @@ class Trainer:
         self._loader = StepLoader(self.store, plan, self._steps(), cfg.max_seq_len, cfg.ttt_steps,
                                   self.draft_cfg.vocab_size, cfg.loader_workers, pin_memory=self.device.type == "cuda")
         batches_of = iter(self._loader)
+        self._last_save = time.monotonic()
         while self.epoch < cfg.epochs and not stopped:
-            window = torch.zeros(cfg.ttt_steps, N_STATS, dtype=torch.float64)
+            if self.step_in_epoch == 0:  # a new epoch; a resumed one keeps its restored window
+                self.window.zero_()
             for step in range(self.step_in_epoch, self.steps_per_epoch):
-                stats, tokens = self._optimizer_step(next(batches_of))
-                window += stats
+                batches = next(batches_of)
+                if isinstance(batches, DamagedSample):  # quarantined by the loader: never trained on
+                    raise TrainError(batches.message)
+                stats, tokens = self._optimizer_step(batches)
+                self.window += stats
                 self.step_in_epoch, self.global_step = step + 1, self.global_step + 1
                 self.tokens_seen += tokens
                 # the log cadence follows the run's global step (not this invocation's count), so a resumed run
                 # writes the same metrics.jsonl records as an uninterrupted one
                 due = self.global_step % cfg.log_every_steps == 0 or self.global_step >= self.total_steps
-                extra = self._log_train(window, progress, tokens) if due else ""
+                extra = self._log_train(self.window, progress, tokens) if due else ""
                 if due:
-                    window.zero_()
+                    self.window.zero_()
                 progress.update(1, tokens=tokens, extra=extra)
                 if cfg.stop_after_steps and self.global_step >= cfg.stop_after_steps:
                     stopped = True
                     break
-                if cfg.save_state_every_steps and self.global_step % cfg.save_state_every_steps == 0 \
-                        and self.step_in_epoch < self.steps_per_epoch:
+                by_steps = bool(cfg.save_state_every_steps) and self.global_step % cfg.save_state_every_steps == 0
+                by_time = self._save_due_by_time()  # every rank calls it: the decision is collective
+                if (by_steps or by_time) and self.step_in_epoch < self.steps_per_epoch:
                     self._save_state()
             if stopped and self.step_in_epoch < self.steps_per_epoch:
                 self._save_state()
@@ -261,6 +286,18 @@ class Trainer:
                 self._plots()
             stopped = stopped or bool(cfg.stop_after_steps and self.global_step >= cfg.stop_after_steps)
         return self._result(stopped and self.epoch < cfg.epochs)
+
+    def _save_due_by_time(self) -> bool:
+        """True once ``save_state_every_minutes`` of training have passed since the last state save; rank 0's clock
+        decides for every rank (the save gathers the state collectively)."""
+        minutes = self.cfg.save_state_every_minutes
+        if not minutes:
+            return False
+        due = time.monotonic() - self._last_save >= minutes * 60
+        if self.dist.world > 1:
+            flag = torch.tensor([float(due and self.dist.main)], device=self.device)
+            due = bool(self.dist.all_reduce(flag).item())
+        return due
 
     def _optimizer_step(self, batches: list[Batch]) -> tuple[torch.Tensor, int]:
         cfg = self.cfg
@@ -318,6 +355,8 @@ class Trainer:
         per_round = d.world * self.micro
         for j in range(math.ceil(len(self.val_bins) / per_round)):
             bins = self.val_bins[j * per_round + d.rank * self.micro:j * per_round + (d.rank + 1) * self.micro]
+            if (bad := verify_bins(self.store, bins or self.val_bins[:1])) is not None:
+                raise TrainError(bad.message)
             batch = collate(self.store, bins or self.val_bins[:1], cfg.max_seq_len, cfg.ttt_steps,
                             self.draft_cfg.vocab_size)
             _, s = self.ttt(batch.to(self.device), one)
@@ -363,7 +402,9 @@ class Trainer:
             ckpt.save_draft(folder, self.draft_cfg, state, self._run_info(epoch, val), self.cfg.save_embedding)
             score = val["sim_accept_len"] if self.val_bins else float(epoch)  # no val split: the newest is best
             if score > self.best["sim_accept_len"]:
-                self.best = {"epoch": epoch, "sim_accept_len": score}
+                # the weights' hash as written: _result refuses a best checkpoint that no longer matches it
+                self.best = {"epoch": epoch, "sim_accept_len": score,
+                             "weights_sha256": sha256_file(folder / ckpt.WEIGHTS)}
                 ckpt.set_best(self.ckpt_dir, folder)
             ckpt.prune_epochs(self.ckpt_dir, self.cfg.keep_last_n)
             log.info("[train] saved %s (best: epoch %s, sim accept %.3f)", folder, self.best["epoch"],
@@ -371,6 +412,7 @@ class Trainer:
         self.dist.barrier()
 
     def _save_state(self) -> None:
+        t0 = time.monotonic()
         full = self._full_draft_state()
         optim = self._optim_state()
         if self.dist.main:
@@ -381,11 +423,16 @@ class Trainer:
                 "progress": {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
                              "global_step": self.global_step, "tokens_seen": self.tokens_seen},
                 "best": self.best,
+                "metrics_window": self.window,
                 "config": self.cfg.model_dump(mode="json"),
                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
             }
             ckpt.save_trainer_state(self.latest_dir, state)
+            size = (self.latest_dir / ckpt.STATE_TENSORS).stat().st_size
+            log.info("[train] resume state saved at global step %d in %.2f s (%.1f MB, %s)", self.global_step,
+                     time.monotonic() - t0, size / 1e6, self.latest_dir)
         self.dist.barrier()
+        self._last_save = time.monotonic()
 
     def _load_state(self) -> None:
         from torch.distributed.checkpoint.state_dict import (
@@ -416,6 +463,8 @@ class Trainer:
         self.epoch, self.step_in_epoch = int(p["epoch"]), int(p["step_in_epoch"])
         self.global_step, self.tokens_seen = int(p["global_step"]), int(p["tokens_seen"])
         self.best = dict(state["best"])
+        if "metrics_window" in state:
+            self.window = state["metrics_window"].to(torch.float64).clone()
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         self.history = _read_metrics(self.metrics_path)
@@ -459,9 +508,16 @@ class Trainer:
         """The run's outcome, keyed exactly as eagle3.train.stage.DraftCheckpoint's fields (no renaming)."""
         best = ckpt.best_dir(self.ckpt_dir)
         vals = [r for r in self.history if r["event"] == "val"]
+        weights_sha = sha256_file(best / ckpt.WEIGHTS) if best and (best / ckpt.WEIGHTS).is_file() else None
+        recorded = self.best.get("weights_sha256")
+        if best and recorded and weights_sha != recorded:
+            raise TrainError(f"the draft checkpoint {best / ckpt.WEIGHTS} does not match the sha256 recorded when "
+                             f"training wrote it ({recorded[:12]}...): it was changed or damaged since. Restore it, "
+                             f"or train again from scratch (delete {self.out_dir}, or resume=False)")
         return {
             "out_dir": str(self.out_dir), "checkpoint_dir": str(best) if best else None,
-            "weights_sha256": sha256_file(best / ckpt.WEIGHTS) if best else None,
+            "weights_sha256": weights_sha,
+            "weights_bytes": (best / ckpt.WEIGHTS).stat().st_size if weights_sha else None,
             "config_sha256": sha256_file(best / ckpt.CONFIG) if best else None,
             "aux_layer_ids": list(self.draft_cfg.aux_layer_ids), "draft_vocab_size": self.draft_cfg.draft_vocab_size,
             "best_epoch": self.best["epoch"] if best else None,

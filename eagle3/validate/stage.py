@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from eagle3.draft.checkpoint import WEIGHTS
-from eagle3.support.artifacts import Artifact
+from eagle3.support.artifacts import Artifact, file_problem
 from eagle3.support.gpu import DeviceGuard, cuda_device_ids, file_lock_guard
 from eagle3.support.io import atomic_write_json, sha256_file
 from eagle3.support.paths import REPO_ROOT, resolve_path, vllm_python, vllm_subprocess_env
@@ -129,6 +129,10 @@ class ValidationReport(Artifact):
 
     def outputs(self) -> list[str]:
         return [self.report_json, self.report_md]
+
+    def problems(self) -> list[str]:
+        """Reuse check: report.json's sha256 is the fingerprint (a few KB)."""
+        return super().problems() or [p for p in [file_problem(self.report_json, sha256=self.fingerprint)] if p]
 
     def report(self) -> dict[str, Any]:
         """The content of report.json."""
