@@ -120,7 +120,7 @@ def state_save(tmp: Path, hidden: int) -> None:
     for name, h, vocab, draft_vocab in (("tiny preset", 64, 8192, 2048), (f"hidden {hidden}", hidden, 32000, 8192)):
         cfg = DraftConfig(hidden_size=h, target_hidden_size=h, intermediate_size=h * 11 // 4,
                           num_attention_heads=max(1, h // 64), num_key_value_heads=max(1, h // 128),
-                          head_dim=64 if h >= 64 else h, vocab_size=vocab, draft_vocab_size=draft_vocab,
+                          head_dim=min(64, h), vocab_size=vocab, draft_vocab_size=draft_vocab,
                           aux_layer_ids=[1, 2, 3], torch_dtype="float32")
         model = Eagle3Draft(cfg)
         model.embed_tokens.weight.requires_grad_(False)
@@ -133,7 +133,7 @@ def state_save(tmp: Path, hidden: int) -> None:
         state = {"model": {k: v for k, v in model.state_dict().items() if k in trainable},
                  "optimizer": opt.state_dict(), "progress": {"global_step": 1}}
         folder = tmp / f"state-{h}"
-        s = _median(lambda: ckpt.save_trainer_state(folder, state), 3)
+        s = _median(lambda folder=folder, state=state: ckpt.save_trainer_state(folder, state), 3)
         nbytes = (folder / ckpt.STATE_TENSORS).stat().st_size
         rates.append(nbytes / s)
         print(f"3. resume-state save, {name} draft ({sum(p.numel() for p in params) / 1e6:.1f}M trainable "

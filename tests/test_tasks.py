@@ -156,12 +156,11 @@ def test_reuse_check_catches_outputs_resized_or_rewritten_in_place(front, tmp_pa
     (arrow,) = Path(prepared.dataset_path).glob("*.arrow")
     with open(arrow, "ab") as f:
         f.write(b"\0")
+    size = arrow.stat().st_size
     assert prepared.problems() == [f"{stats} changed since it was written (sha256 differs from the recorded one)",
-                                   f"{arrow} has {arrow.stat().st_size} bytes, {arrow.stat().st_size - 1} were "
-                                   f"recorded"]
+                                   f"{arrow} has {size} bytes, {size - 1} were recorded"]
     Path(plan.plan_path).write_text(Path(plan.plan_path).read_text() + " ")
-    assert plan.problems() == [f"{plan.plan_path} changed since it was written (sha256 differs from the recorded "
-                               f"one)"]
+    assert plan.problems() == [f"{plan.plan_path} changed since it was written (sha256 differs from the recorded one)"]
     raw = bytearray(Path(vocab.mapping_path).read_bytes())
     raw[-1] ^= 1  # the same size, one bit of t2d
     Path(vocab.mapping_path).write_bytes(bytes(raw))

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from conftest import REPO
+from safetensors.torch import load_file, save_file
 
 from eagle3.draft import checkpoint as ckpt
 from eagle3.extract.stage import extract_hidden_states
