@@ -188,8 +188,9 @@ def test_reuse_check_catches_outputs_resized_or_rewritten_in_place(front, tmp_pa
     (arrow,) = Path(prepared.dataset_path).glob("*.arrow")
     with open(arrow, "ab") as f:
         f.write(b"\0")
+    size = arrow.stat().st_size
     assert prepared.problems() == [f"{stats} changed since it was written (sha256 differs from the recorded one)",
-                                   f"{arrow} has {arrow.stat().st_size} bytes, {arrow.stat().st_size - 1} were recorded"]
+                                   f"{arrow} has {size} bytes, {size - 1} were recorded"]
     Path(plan.plan_path).write_text(Path(plan.plan_path).read_text() + " ")
     changed = f"{plan.plan_path} changed since it was written (sha256 differs from the recorded one)"
     assert plan.problems() == [changed]

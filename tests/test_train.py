@@ -238,13 +238,13 @@ def test_resume_mid_window_writes_the_uninterrupted_records(random_store, tiny_l
     """A train record covers the steps since the previous one: stopped at step 5 with records every 3 steps, the
     record of step 6 must still cover steps 5 and 6 (the window is part of the resume state)."""
     store, vocab = random_store
-    cfg = TrainConfig(epochs=3, **{**TINY, "log_every_steps": 3})
+    cfg = TrainConfig(epochs=2, loader_workers=0, **{**TINY, "log_every_steps": 3})  # 4 steps per epoch
     train_draft(cfg, store, vocab, tmp_path / "full", verifier=tiny_llama_verifier)
     part = train_draft(cfg.model_copy(update={"stop_after_steps": 5}), store, vocab, tmp_path / "resumed",
                        verifier=tiny_llama_verifier)
     assert part.stopped_early and part.global_step == 5
     train_draft(cfg, store, vocab, tmp_path / "resumed", verifier=tiny_llama_verifier)
-    assert [r["global_step"] for r in _records(tmp_path / "full") if r["event"] == "train"] == [3, 6, 9, 12]
+    assert [r["global_step"] for r in _records(tmp_path / "full") if r["event"] == "train"] == [3, 6, 8]
     assert _records(tmp_path / "resumed") == _records(tmp_path / "full")
 
 
