@@ -220,9 +220,28 @@ class PipelineCLI(BaseSettings):
         print(f"\nDraft checkpoint (vLLM-ready): {result['checkpoint']}\nValidation report: {result['report']}")
 
 
+def split_set_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``--set VALUE`` / ``--set=VALUE`` taken out of ``argv`` verbatim: pydantic-settings would split a value at its
+    commas and parse a JSON one (``data.sources=["a","b"]``) as a list of its own. -> (other args, set values)."""
+    rest, values = [], []
+    args = iter(argv)
+    for arg in args:
+        if arg == "--set":
+            value = next(args, None)
+            if value is None:
+                raise SystemExit("--set needs a KEY=VALUE after it")
+            values.append(value)
+        elif arg.startswith("--set="):
+            values.append(arg[len("--set="):])
+        else:
+            rest.append(arg)
+    return rest, values
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    CliApp.run(PipelineCLI, cli_args=sys.argv[1:] if argv is None else argv)
+    rest, values = split_set_args(sys.argv[1:] if argv is None else argv)
+    CliApp.run(PipelineCLI, cli_args=rest, **({"set": values} if values else {}))
     return 0
 
 

@@ -148,6 +148,19 @@ def test_cli_runs_through_pydantic_settings(capsys):
     assert "--preset" in out and "--set" in out and "dotted key" in out
     with pytest.raises(SystemExit, match="unknown preset 'nope'"):
         main(["--preset", "nope"])
+    # --set values reach the config verbatim: commas and JSON lists included (one clear error for a bad key)
+    with pytest.raises(SystemExit, match="data.nope"):
+        main(["--set", 'data.sources=["a.jsonl","b.jsonl"]', "--set=train.epochs=2", "--set", "data.nope=1,2"])
+
+
+def test_cli_set_values_are_taken_verbatim():
+    from eagle3.config import parse_set
+    from flows.eagle3_pipeline import split_set_args
+
+    rest, values = split_set_args(["--preset", "tiny", "--set", 'data.sources=["a.jsonl","b.jsonl"]',
+                                   "--set=train.lr=3e-5", "--set", "run_name=a,b"])
+    assert rest == ["--preset", "tiny"]
+    assert parse_set(values) == {"data.sources": ["a.jsonl", "b.jsonl"], "train.lr": 3e-5, "run_name": "a,b"}
 
 
 def test_pipeline_form_hides_fields_the_pipeline_fills_and_keeps_angle_brackets():

@@ -196,8 +196,9 @@ def _run_driver(python: str, job_file: Path, log_file: Path, store_dir: Path, re
         stop.set()
         follower.join(timeout=30)
     if result.timed_out:
+        pids = ", ".join(map(str, result.killed_pids))
         raise VllmExtractionError(f"vLLM extraction exceeded vllm_timeout_seconds={timeout_seconds:.0f}; killed its "
-                                  f"process group; log {log_file}")
+                                  f"process group (pids {pids}); log {log_file}")
     return result.returncode
 
 
