@@ -36,7 +36,7 @@ from eagle3.prepare import PreparedData, load_prepared
 from eagle3.regenerate.config import RegenerateConfig
 from eagle3.support.artifacts import Artifact, file_problem
 from eagle3.support.dtypes import dtype, from_safetensors
-from eagle3.support.io import atomic_write_json, sha256_json
+from eagle3.support.io import atomic_write_json, sha256_file, sha256_json
 from eagle3.support.progress import fmt_duration
 from eagle3.support.verifier import VerifierIdentity, VerifierSpec
 
@@ -374,13 +374,15 @@ class CapacityPlan(Artifact):
     regeneration_tokens_upper: int | None = Field(description="Tokens regeneration generates at most (every turn "
                                                   "at max_new_tokens, each conversation cut at max_seq_len).")
     summary: str = Field(description="The plan in plain lines (the UI artifact and the log show it).")
+    plan_sha256: str | None = Field(None, description="sha256 of plan.json as written (the reuse check; the "
+                                    "fingerprint is the layout alone).")
 
     def outputs(self) -> list[str]:
         return [self.plan_path]
 
     def problems(self) -> list[str]:
-        """Reuse check: plan.json's sha256 is the fingerprint (a few KB)."""
-        return [p for p in [file_problem(self.plan_path, sha256=self.fingerprint)] if p]
+        """Reuse check: plan.json's sha256 as written (a few KB)."""
+        return [p for p in [file_problem(self.plan_path, sha256=self.plan_sha256)] if p]
 
 
 def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: VerifierIdentity, prepared: PreparedData,
@@ -426,6 +428,6 @@ def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: Verifie
         compute_dtype=compute, store_dtype=store, bytes_per_token=plan.bytes_per_token, total_bytes=plan.total_bytes,
         required_free_bytes=plan.required_free_bytes, free_bytes=plan.free_bytes, fits=plan.fits,
         estimated_seconds=total_s, regeneration_seconds=regen_s, regeneration_tokens_upper=regen_tokens,
-        summary=summary)
+        summary=summary, plan_sha256=sha256_file(path))
     artifact.save()
     return artifact
