@@ -66,7 +66,8 @@ class TrainConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu. "
                                                    "bf16 autocast on cuda, float32 on cpu.",
         json_schema_extra=RUNTIME)
-    nproc: int = Field(1, gt=0, description="Training processes (one per GPU on cuda; started by torch's elastic launcher, torchrun's engine).",
+    nproc: int = Field(1, gt=0, description="Training processes (one per GPU on cuda; started by torch's elastic "
+                       "launcher, the engine of torchrun).",
         json_schema_extra=RUNTIME)
     parallel: Literal["ddp", "fsdp"] = Field("ddp", description="With nproc > 1: ddp replicates the draft; fsdp "
                                              "shards it (drafts too big for one GPU).",
