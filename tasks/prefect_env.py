@@ -49,6 +49,10 @@ LOCAL_ENV = {
     # "Failed to send telemetry" errors
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": str(EPHEMERAL_STARTUP_TIMEOUT_SECONDS),
+    # the library's stage functions also run outside any flow (tests, bench/ scripts, a notebook): their lines then
+    # go to the console alone, without a "no flow run id" warning per line (deployed flow runs keep the warning:
+    # there it would mean a lost run context)
+    "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
 }
 
 
