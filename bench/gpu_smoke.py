@@ -561,9 +561,13 @@ def _launch(sec: Section, parallel: str) -> None:
         a = [json.loads(x) for x in single.read_text().splitlines()]
         b = _metrics(out)
         same = [(x["event"], x["global_step"]) for x in a] == [(y["event"], y["global_step"]) for y in b]
-        worst = max((abs(x["loss"] - y["loss"]) for x, y in zip(a, b)), default=float("inf"))
-        sec.check(same and worst <= 1e-3, f"{parallel} x1 vs the single-process {sec.device} run: {len(b)} metrics "
-                  f"records, worst loss difference {worst:.2e} (tolerance 1e-3)")
+        worst = max((abs(x["loss"] - y["loss"]) / max(abs(x["loss"]), 1e-6) for x, y in zip(a, b)),
+                    default=float("inf"))
+        # one worker computes what the plain process does; CUDA's nondeterministic backward kernels (atomics) may
+        # move the losses a little over the steps, the CPU's are bit-identical
+        tol = 2e-3 if sec.gpu else 1e-6
+        sec.check(same and worst <= tol, f"{parallel} x1 vs the single-process {sec.device} run: {len(b)} metrics "
+                  f"records, worst relative loss difference {worst:.2e} (tolerance {tol:g})")
         sec.fig(vs_single=f"{worst:.1e}")
     else:
         sec.check(False, f"no single-process metrics at {single} (train_tiny failed?) to compare with")

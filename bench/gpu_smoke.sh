@@ -20,8 +20,9 @@
 #   train_big        train_draft on the big store: 2048-token packed rows x 4 per step, 7 TTT steps, 2 loader
 #                    workers: step time, tok/s, CUDA peak (max_memory_allocated) vs the training memory plan
 #                    (eagle3/train/memory.py if present, else "memory plan not available"); pinned vs pageable H2D
-#   launch_ddp       torch elastic launch (eagle3/train/launch.py) with one nccl worker, parallel=ddp: the draft is
-#   launch_fsdp      wrapped (DDP / FSDP2 fully_shard) and its losses equal the single-process run's (1e-3)
+#   launch_ddp       torch elastic launch (eagle3/train/launch.py) with one nccl worker, parallel=ddp (launch_fsdp:
+#   launch_fsdp      fsdp): the draft is wrapped (DDP / FSDP2 fully_shard) and its losses equal those of the
+#                    single-process run of train_tiny (2e-3 relative)
 #
 # Output: each section prints `[section] ok: ...` / `[section] FAIL: ...` / `[section] <figures>` lines, then
 # `RESULT <section> PASS|FAIL key=value ...` (tok_s tokens/s; step_ms median optimizer step; peak_alloc_GiB /
