@@ -39,10 +39,11 @@
 # ahead of the image's site-packages (not a venv: the image's python3 is itself a venv, /opt/torch/.venv, and a venv
 # made from it with --system-site-packages would see the base interpreter's packages, not torch).
 #
-# With the device tool (one call, ~5 minutes on a warm H200 plus the machine's start; the tool sends the checkout
-# the session started in, so run the wheels script in THAT checkout):
+# With the device tool (one call; estimated 4-5 minutes on the H200, never measured there, at most 450 s + 10 s of
+# kill grace by the budget, plus the machine's start; $OUT/gpu_smoke.log and $OUT/summary.txt come back). The tool
+# sends the checkout the session started in: run the wheels script in THAT checkout, then
 #     run(command="bash bench/gpu_smoke.sh", carry=[".gpu-wheels"], timeout_s=540)
-# then give_back unless rerunning at once. Here, without a GPU, the same sections at tiny sizes on the CPU, in an
+# and give_back unless rerunning at once (15 minutes of device time per session leave room for one rerun). Here, without a GPU, the same sections at tiny sizes on the CPU, in an
 # interpreter that sees only the GPU image's packages (KINDS.md's list) plus the carried wheels:
 #     bash bench/gpu_smoke.sh --cpu-dry-run
 set -uo pipefail
