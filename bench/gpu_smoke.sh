@@ -43,8 +43,9 @@
 # kill grace by the budget, plus the machine's start; $OUT/gpu_smoke.log and $OUT/summary.txt come back). The tool
 # sends the checkout the session started in: run the wheels script in THAT checkout, then
 #     run(command="bash bench/gpu_smoke.sh", carry=[".gpu-wheels"], timeout_s=540)
-# and give_back unless rerunning at once (15 minutes of device time per session leave room for one rerun). Here, without a GPU, the same sections at tiny sizes on the CPU, in an
-# interpreter that sees only the GPU image's packages (KINDS.md's list) plus the carried wheels:
+# and give_back unless rerunning at once (15 minutes of device time per session leave room for one rerun).
+# Here, without a GPU, the same sections at tiny sizes on the CPU, in an interpreter that sees only the GPU image's
+# packages (KINDS.md's list) plus the carried wheels:
 #     bash bench/gpu_smoke.sh --cpu-dry-run
 set -uo pipefail
 cd "$(dirname "$0")/.."
