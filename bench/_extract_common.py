@@ -8,15 +8,22 @@ from pathlib import Path
 import torch
 
 
-def save_llama(out: Path, hidden: int = 1024, layers: int = 8, vocab: int = 8192, seed: int = 0) -> Path:
-    """A random-init Llama big enough to be compute-bound on a CPU (hidden 1024, 8 layers: ~100M parameters)."""
+def save_llama(out: Path, hidden: int = 1024, layers: int = 8, vocab: int = 8192, seed: int = 0,
+               device: str = "cpu", dtype: torch.dtype | None = None) -> Path:
+    """A random-init Llama big enough to be compute-bound on a CPU (hidden 1024, 8 layers: ~100M parameters).
+    ``device``: where the weights are initialised (a GPU does a few hundred MB in a second); ``dtype``: the saved
+    dtype (None = float32)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
                       num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128,
                       max_position_embeddings=4096, tie_word_embeddings=False)
-    LlamaForCausalLM(cfg).eval().save_pretrained(out, safe_serialization=True)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).eval()
+    if dtype is not None:
+        model.to(dtype)
+    model.save_pretrained(out, safe_serialization=True)
     return out
 
 

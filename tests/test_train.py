@@ -134,11 +134,28 @@ def test_two_gloo_processes_equal_one(random_store, tiny_llama_verifier, tmp_pat
     train_draft(cfg.model_copy(update={"grad_accum_steps": 2}), store, vocab, tmp_path / "one", verifier=tiny_llama_verifier)
     two = train_draft(cfg.model_copy(update={"nproc": 2, "parallel": parallel}), store, vocab,
                       tmp_path / "two", verifier=tiny_llama_verifier)
-    assert two.nproc == 2 and "[train]" in (tmp_path / "two" / "train-rank0.log").read_text()
+    log = (tmp_path / "two" / "train-rank0.log").read_text()
+    assert two.nproc == 2 and "[train]" in log
+    assert f"draft wrapped in {parallel.upper()} over 2 process(es) (gloo)" in log
     _assert_same_metrics(_metrics(tmp_path / "one"), _metrics(tmp_path / "two"), tol=1e-5)
     a = load_file(str(tmp_path / "one/checkpoints/epoch-002/model.safetensors"))
     b = load_file(str(tmp_path / "two/checkpoints/epoch-002/model.safetensors"))
     assert all(torch.allclose(a[k].float(), b[k].float(), atol=1e-5) for k in a)
+
+
+@pytest.mark.slow
+def test_one_launched_worker_wraps_fsdp_and_equals_the_plain_process(random_store, tiny_llama_verifier, tmp_path):
+    """A launched worker wraps the draft even in a world of one (how bench/gpu_smoke.sh runs DDP / FSDP on one GPU);
+    the plain single process does not wrap, and both compute the same losses."""
+    from eagle3.train.launch import launch
+
+    store, vocab = random_store
+    cfg = TrainConfig(epochs=1, **TINY)
+    train_draft(cfg, store, vocab, tmp_path / "plain", verifier=tiny_llama_verifier)
+    out = launch(cfg.model_copy(update={"parallel": "fsdp"}), store, vocab, tiny_llama_verifier, tmp_path / "one")
+    assert out["nproc"] == 1
+    assert "draft wrapped in FSDP over 1 process(es) (gloo)" in (tmp_path / "one" / "train-rank0.log").read_text()
+    _assert_same_metrics(_metrics(tmp_path / "plain"), _metrics(tmp_path / "one"), tol=1e-5)
 
 
 def test_bad_input_one_clear_error_each(random_store, tiny_llama_verifier, tmp_path):

@@ -209,7 +209,11 @@ class Trainer:
                              f"than {self.verifier_path} ({have[:12]}): the teacher would not match the states")
 
     def _wrap(self, module: nn.Module) -> nn.Module:
-        if self.dist.world == 1:
+        import torch.distributed as dist
+
+        # every launched worker wraps, a world of one too (the GPU smoke test runs DDP / FSDP that way on one GPU);
+        # only a plain single process (no process group) trains the bare module
+        if not (dist.is_available() and dist.is_initialized()):
             return module
         if self.cfg.parallel == "fsdp":
             from torch.distributed.fsdp import fully_shard
@@ -218,11 +222,17 @@ class Trainer:
             # midlayer gathers its own (draft.step / project_aux are plain methods, not module calls)
             fully_shard(module.draft.midlayer)
             fully_shard(module)
-            return module
-        from torch.nn.parallel import DistributedDataParallel
+            wrapped = module
+        else:
+            from torch.nn.parallel import DistributedDataParallel
 
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=ids, forward_sync_buffers=False)  # buffers are constants
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            wrapped = DistributedDataParallel(module, device_ids=ids,
+                                              forward_sync_buffers=False)  # buffers are constants
+        if self.dist.main:
+            log.info("[train] draft wrapped in %s over %d process(es) (%s)", self.cfg.parallel.upper(),
+                     self.dist.world, dist.get_backend())
+        return wrapped
 
     # --- batches ----------------------------------------------------------------------------------------------
 
