@@ -37,6 +37,7 @@ def _client(env: dict):
         yield client
 
 
+@pytest.mark.slow
 def test_setup_script_as_the_readme_shows(prefect_server, tmp_path):
     env, _ = prefect_server
     shell = _without_venv(env)
@@ -86,6 +87,7 @@ def _deploy_tiny(env: dict, pool: str) -> list[dict]:
         return client.read_deployment_by_name("eagle3-pipeline/tiny").pull_steps
 
 
+@pytest.mark.slow
 def test_repo_dir_is_baked_in_when_set_at_deploy_time_else_read_by_each_worker(prefect_server, tmp_path):
     """prefect.yaml's pull step reads "{{ $EAGLE3_REPO_DIR }}". Set in the shell that runs `prefect deploy`, it is
     stored as a literal path; unset there, the placeholder is stored and the flow process (the worker's

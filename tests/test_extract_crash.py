@@ -13,6 +13,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 from conftest import make_dataset
 
 from eagle3.extract.stage import extract_hidden_states
@@ -26,6 +27,7 @@ def _lines(path: Path) -> int:
     return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
+@pytest.mark.slow
 def test_kill_9_then_rerun_completes_without_duplicates(tiny_llama_verifier, tmp_path):
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)

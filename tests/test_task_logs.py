@@ -74,8 +74,7 @@ def test_thread_and_subprocess_lines_reach_the_task_run_logs(prefect_harness, ea
     def threaded_logs() -> str:
         return threaded_stage()
 
-    with pytest.warns(UserWarning, match="without a flow run id"):  # the control line, dropped as before
-        state = threaded_logs(return_state=True)
+    state = threaded_logs(return_state=True)  # the control line is dropped as before (asserted below)
     task_run_id = uuid.UUID(str(state.result()))
     found = _read_messages(state.state_details.flow_run_id, {f"{marker} thread", f"[sub] {marker} subprocess"})
     assert found.get(f"{marker} thread") == task_run_id, found

@@ -70,6 +70,7 @@ def _assert_same_metrics(a: list[dict], b: list[dict], tol: float) -> None:
         assert x["counted_per_step"] == y["counted_per_step"]
 
 
+@pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_run_and_keeps_last_n(random_store, tiny_llama_verifier, tmp_path):
     store, vocab = random_store
     cfg = TrainConfig(epochs=3, keep_last_n=1, **TINY)
@@ -125,6 +126,7 @@ def test_resume_refuses_changed_settings(random_store, tiny_llama_verifier, tmp_
     assert fresh.global_step == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_gloo_processes_equal_one(random_store, tiny_llama_verifier, tmp_path, parallel):
     """torchrun with 2 CPU processes (gloo), the same global batch (2 packed rows = 1 per process, or 2 x 2
