@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle3.extract.store import HiddenStateStore
+from eagle3.extract.store import SCALE_SUFFIX, HiddenStateStore, dequantize_states
 from eagle3.train.config import TrainError
 from eagle3.train.ttt import ttt_counted
 
@@ -62,8 +62,8 @@ class Batch:
     """Packed rows of one micro-batch (tensors on CPU until ``to``)."""
 
     input_ids: torch.Tensor  # [B, T] int64, target-vocab ids (0 in padding)
-    aux: torch.Tensor  # [B, T, n_aux * H] store dtype
-    final: torch.Tensor  # [B, T, H] store dtype, last layer output BEFORE the verifier's final norm
+    aux: torch.Tensor  # [B, T, n_aux * H] store dtype (a scaled store's: dequantized to collate's dequant_dtype)
+    final: torch.Tensor  # [B, T, H] same dtype, last layer output BEFORE the verifier's final norm
     loss_mask: torch.Tensor  # [B, T] bool
     seq_ids: torch.Tensor  # [B, T] int64 sample slot within its row, -1 = padding
     position_ids: torch.Tensor  # [B, T] int64 position inside its own sample
@@ -84,15 +84,19 @@ class Batch:
 
 
 def collate(store: HiddenStateStore, bins: list[list[int]], max_seq_len: int, ttt_steps: int,
-            vocab_size: int) -> Batch:
-    """Load the samples of ``bins`` (one packed row each) into padded tensors (length = longest row)."""
+            vocab_size: int, dequant_dtype: torch.dtype = torch.float32) -> Batch:
+    """Load the samples of ``bins`` (one packed row each) into padded tensors (length = longest row).
+
+    States keep the store dtype; a scaled store's (float8_e4m3fn) are dequantized here, into ``dequant_dtype``
+    (the training compute dtype), so the loader workers do it rather than the training loop."""
     rows = [[store.load(i) for i in b] for b in bins]
     lens = [[min(int(s["input_ids"].shape[0]), max_seq_len) for s in r] for r in rows]
     b, t = len(bins), max(1, max(sum(r) for r in lens))
     h, n_aux_h = store.hidden_size, store.hidden_size * int(store.meta["n_aux"])
+    states = dequant_dtype if store.scaled else store.dtype
     out = Batch(
-        input_ids=torch.zeros(b, t, dtype=torch.int64), aux=torch.zeros(b, t, n_aux_h, dtype=store.dtype),
-        final=torch.zeros(b, t, h, dtype=store.dtype), loss_mask=torch.zeros(b, t, dtype=torch.bool),
+        input_ids=torch.zeros(b, t, dtype=torch.int64), aux=torch.zeros(b, t, n_aux_h, dtype=states),
+        final=torch.zeros(b, t, h, dtype=states), loss_mask=torch.zeros(b, t, dtype=torch.bool),
         seq_ids=torch.full((b, t), -1, dtype=torch.int64), position_ids=torch.zeros(b, t, dtype=torch.int64),
         tokens=sum(map(sum, lens)), counted=torch.zeros(ttt_steps, dtype=torch.int64),
     )
@@ -105,8 +109,11 @@ def collate(store: HiddenStateStore, bins: list[list[int]], max_seq_len: int, tt
                                  f"verifier vocabulary [0, {vocab_size})")
             sl = slice(start, start + n)
             out.input_ids[r, sl] = ids
-            out.aux[r, sl] = s["aux_hidden_states"][:n]
-            out.final[r, sl] = s["final_hidden_state"][:n]
+            for key, dest in (("aux_hidden_states", out.aux), ("final_hidden_state", out.final)):
+                if store.scaled:  # dest[r, sl]: [n, width], contiguous, written in place
+                    dequantize_states(s[key][:n], s[key + SCALE_SUFFIX][:n], out=dest[r, sl])
+                else:
+                    dest[r, sl] = s[key][:n]
             out.loss_mask[r, sl] = s["loss_mask"][:n].bool()
             out.seq_ids[r, sl] = slot
             out.position_ids[r, sl] = torch.arange(n)
@@ -151,9 +158,11 @@ class _StepBatches(torch.utils.data.Dataset):
     itself, so one loader (one set of worker processes) serves the whole run, resumed runs included. Pickles as
     the store's path (a worker re-opens the store instead of receiving its whole manifest)."""
 
-    def __init__(self, store: HiddenStateStore, plan: BatchPlan, max_seq_len: int, ttt_steps: int, vocab_size: int):
+    def __init__(self, store: HiddenStateStore, plan: BatchPlan, max_seq_len: int, ttt_steps: int, vocab_size: int,
+                 dequant_dtype: torch.dtype = torch.float32):
         self.store, self.plan = store, plan
         self.max_seq_len, self.ttt_steps, self.vocab_size = max_seq_len, ttt_steps, vocab_size
+        self.dequant_dtype = dequant_dtype
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "store": str(self.store.path)}
@@ -164,7 +173,7 @@ class _StepBatches(torch.utils.data.Dataset):
 
     def __getitem__(self, key: tuple[int, int]) -> list[Batch]:
         epoch, step = key
-        return [collate(self.store, bins, self.max_seq_len, self.ttt_steps, self.vocab_size)
+        return [collate(self.store, bins, self.max_seq_len, self.ttt_steps, self.vocab_size, self.dequant_dtype)
                 for bins in self.plan.micro_bins(epoch, step)]
 
 
@@ -172,11 +181,12 @@ class StepLoader:
     """The trainer's input pipeline: a torch DataLoader over the run's remaining (epoch, step) pairs, yielding each
     optimizer step's micro-batches (``list[Batch]``). ``workers`` processes (spawned: the trainer's own process runs
     threads that fork must not copy) read the store and collate ahead of the model, 2 steps per worker in flight;
-    0 = load in this process. Pinned memory when training on CUDA."""
+    0 = load in this process. Pinned memory when training on CUDA. ``dequant_dtype``: see ``collate``."""
 
     def __init__(self, store: HiddenStateStore, plan: BatchPlan, steps: Iterable[tuple[int, int]], max_seq_len: int,
-                 ttt_steps: int, vocab_size: int, workers: int, pin_memory: bool = False):
-        dataset = _StepBatches(store, plan, max_seq_len, ttt_steps, vocab_size)
+                 ttt_steps: int, vocab_size: int, workers: int, pin_memory: bool = False,
+                 dequant_dtype: torch.dtype = torch.float32):
+        dataset = _StepBatches(store, plan, max_seq_len, ttt_steps, vocab_size, dequant_dtype)
         self.loader = torch.utils.data.DataLoader(
             dataset, sampler=list(steps), batch_size=None, collate_fn=_as_is, num_workers=workers,
             pin_memory=pin_memory, prefetch_factor=2 if workers else None,
