@@ -74,5 +74,13 @@ class TrainConfig(BaseModel):
                                 "optimizer steps' batches while the current one computes (0 = in the training "
                                 "process).",
         json_schema_extra=RUNTIME)
+    on_insufficient_memory: Literal["fail", "warn"] = Field(
+        "fail", description="When the training memory plan (eagle3.train.memory: parameters, gradients, AdamW "
+        "states, activations, teacher buffers, batches; bytes per process) plus memory_margin_fraction exceeds the "
+        "GPU's free memory (CUDA) or the host's available RAM (CPU, all processes): 'fail' refuses to start with "
+        "the itemized plan, 'warn' logs it and tries anyway.", json_schema_extra=RUNTIME)
+    memory_margin_fraction: float = Field(
+        0.10, ge=0, description="Memory required on top of the plan's peak, as a fraction of it (allocator slack, "
+        "the CUDA context, the Python runtime).", json_schema_extra=RUNTIME)
 
 
