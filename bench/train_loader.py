@@ -16,11 +16,14 @@ Per store, side by side in this run:
             bytes/s, and as tokens/s = bytes/s / the store's bytes per token (the physical limit of any loader)
   loader    one epoch of the trainer's own input pipeline in a fresh process, exactly as ``Trainer.train`` builds
             it: ``BatchPlan`` (seeded permutation of the packed rows, ``--rows-per-step`` rows per optimizer step,
-            1 process) + ``StepLoader`` (``--workers`` spawned DataLoader workers, 2 steps in flight per worker)
-            over ``collate`` (memory-mapped reads; FP8 dequantized to bf16, the compute dtype of Kimi's CUDA
-            training), cache dropped first; the consumer only counts tokens. Tokens/s over the epoch (worker start
-            included) and steady (from the first batch on); peak RSS of the training process and of the largest
-            worker (ru_maxrss of each).
+            1 process) + ``StepLoader`` (``--workers`` loader threads, 2 steps in flight per thread)
+            over ``collate`` (memory-mapped reads, WILLNEED-prefetched), cache dropped first; FP8 both ways the
+            trainer runs it: ``dequant on device`` (its CUDA path: the loader delivers float8 + scales, Batch.to
+            dequantizes on the GPU) and ``dequant on loader`` (its CPU path: the loader threads dequantize, here to
+            bf16, Kimi's compute dtype); the consumer only counts tokens. Tokens/s steady (from the first batch on)
+            and over the whole epoch; peak RSS of the process (ru_maxrss).
+The disk read is repeated after the loader runs of each store (the virtual disk's rate drifts with the host's own
+cache); loader / disk uses the mean of the two reads, both are printed.
 Printed: loader / disk (target >= 0.8), loader / 12,000 tokens/s (the original run's pace: 6 steps/s of ~2k-token
 rows), and the peak RSS of each store size (independent of the store's size). The stores are deleted at the end
 unless --keep. Machine load (uptime) at start and end.
@@ -116,7 +119,7 @@ def loader_child(ns: argparse.Namespace) -> None:
     steps_per_epoch = len(rows) // ns.rows_per_step
     plan = BatchPlan(rows, 0, ns.rows_per_step, 1, 1, 0)
     loader = StepLoader(store, plan, [(0, s) for s in range(steps_per_epoch)], ROW_TOKENS, 7, VOCAB, ns.workers,
-                        pin_memory=False, dequant_dtype=torch.bfloat16)
+                        pin_memory=False, dequant_dtype=torch.bfloat16, dequantize=ns.dequant == "loader")
     tokens = steps = 0
     t0 = time.perf_counter()
     first = None
@@ -132,15 +135,14 @@ def loader_child(ns: argparse.Namespace) -> None:
         "tokens": tokens, "steps": steps, "seconds": end - t0, "first_batch_s": first - t0,
         "steady_tokens_per_s": (tokens - first_tokens) / (end - first) if steps > 1 else None,
         "batch_dtype": str(b.aux.dtype), "rows": len(rows),
-        "main_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "worker_maxrss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}))
+        "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 
 
-def run_loader(store: Path, workers: int, rows_per_step: int) -> dict:
+def run_loader(store: Path, workers: int, rows_per_step: int, dequant: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, __file__, "--child", str(store), "--workers", str(workers),
-                          "--rows-per-step", str(rows_per_step)], env=env, capture_output=True, text=True,
-                         check=False)
+                          "--rows-per-step", str(rows_per_step), "--dequant", dequant], env=env, capture_output=True,
+                         text=True, check=False)
     if out.returncode != 0:
         raise SystemExit(f"loader on {store} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -149,15 +151,18 @@ def run_loader(store: Path, workers: int, rows_per_step: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes-gb", type=float, nargs=2, default=[2.0, 8.0], help="bf16 store sizes (GB)")
-    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="DataLoader workers to try")
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="loader threads (loader_workers) to try")
     ap.add_argument("--rows-per-step", type=int, default=1, help="packed 2048-token rows per optimizer step")
     ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="where the stores go")
     ap.add_argument("--keep", action="store_true", help="keep the stores")
+    ap.add_argument("--dequant", nargs="+", default=["device", "loader"], choices=["device", "loader"],
+                    help="FP8: where the states are dequantized (device = the trainer's CUDA path: the loader "
+                    "delivers float8 + scales; loader = its CPU path: workers dequantize to bf16)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ns = ap.parse_args()
     if ns.child:
         ns.store = ns.child
-        ns.workers = ns.workers[0]
+        ns.workers, ns.dequant = ns.workers[0], ns.dequant[0]
         loader_child(ns)
         return
     print(f"load average at start {os.getloadavg()}", flush=True)
@@ -183,32 +188,37 @@ def main() -> None:
         results = []
         for size in ns.sizes_gb:
             for dtype, store in stores[size].items():
-                files = sample_files(store)
                 from eagle3.extract.store import HiddenStateStore
 
+                files = sample_files(store)
                 tokens = HiddenStateStore(store).total_tokens
                 drop_cache(files)
                 nbytes, secs = read_all(files)
-                disk_bps = nbytes / secs
-                disk_tps = disk_bps / (nbytes / tokens)
-                for w in ns.workers:
+                runs = []
+                modes = ns.dequant if dtype == "float8_e4m3fn" else ["-"]
+                for w, mode in ((w, m) for w in ns.workers for m in modes):
                     drop_cache(files)
-                    r = run_loader(store, w, ns.rows_per_step)
-                    tps = r["tokens"] / r["seconds"]
-                    results.append((size, dtype, w, tps, disk_tps, r))
-                    print(f"{dtype:>13} {size:g} GB store ({nbytes / 1e9:.2f} GB, {nbytes / tokens:,.0f} B/token): "
-                          f"disk {disk_bps / 1e6:,.0f} MB/s = {disk_tps:,.0f} tok/s | loader {w} worker(s): "
-                          f"{tps:,.0f} tok/s over {r['steps']} steps ({r['seconds']:.1f} s, first batch "
-                          f"{r['first_batch_s']:.1f} s; steady {r['steady_tokens_per_s'] or 0:,.0f} tok/s) -> "
-                          f"loader/disk {tps / disk_tps:.2f}, loader/12k {tps / PACE_TOKENS_PER_S:.2f} | peak RSS "
-                          f"main {r['main_maxrss'] / 1e9:.2f} GB, worker {r['worker_maxrss'] / 1e9:.2f} GB "
+                    r = run_loader(store, w, ns.rows_per_step, mode if mode != "-" else "loader")
+                    runs.append((w, dtype if mode == "-" else f"{dtype} dequant on {mode}", r))
+                drop_cache(files)
+                nbytes2, secs2 = read_all(files)
+                disk = [nbytes / secs, nbytes2 / secs2]  # bytes/s before and after the loader runs
+                disk_tps = sum(disk) / 2 / (nbytes / tokens)
+                for w, label, r in runs:
+                    tps = r["steady_tokens_per_s"]
+                    results.append((size, label, w, tps, disk_tps, r))
+                    print(f"{label:>31} {size:g} GB store ({nbytes / 1e9:.2f} GB, {nbytes / tokens:,.0f} B/token): "
+                          f"disk {disk[0] / 1e6:,.0f} / {disk[1] / 1e6:,.0f} MB/s = {disk_tps:,.0f} tok/s | "
+                          f"loader {w} thread(s): {tps:,.0f} tok/s steady over {r['steps']} steps "
+                          f"({r['tokens'] / r['seconds']:,.0f} tok/s from the start, first batch after "
+                          f"{r['first_batch_s']:.1f} s) -> loader/disk {tps / disk_tps:.2f}, loader/12k "
+                          f"{tps / PACE_TOKENS_PER_S:.2f} | peak RSS {r['maxrss'] / 1e9:.2f} GB "
                           f"({r['batch_dtype']} batches)", flush=True)
-        print("\n== summary (tokens/s; targets: loader/disk >= 0.8, and the 12k tokens/s pace) ==")
-        for size, dtype, w, tps, disk_tps, r in results:
-            print(f"{dtype:>13} {size:>4g} GB  workers {w}: loader {tps:>8,.0f}  disk {disk_tps:>8,.0f}  "
+        print("\n== summary (steady tokens/s; targets: loader/disk >= 0.8, and the 12k tokens/s pace) ==")
+        for size, label, w, tps, disk_tps, r in results:
+            print(f"{label:>31} {size:>4g} GB  threads {w}: loader {tps:>8,.0f}  disk {disk_tps:>8,.0f}  "
                   f"loader/disk {tps / disk_tps:5.2f} ({'ok' if tps / disk_tps >= 0.8 else 'MISSED'})  "
-                  f"loader/12k {tps / PACE_TOKENS_PER_S:5.2f}  RSS main {r['main_maxrss'] / 1e9:5.2f} GB "
-                  f"worker {r['worker_maxrss'] / 1e9:5.2f} GB")
+                  f"loader/12k {tps / PACE_TOKENS_PER_S:5.2f}  peak RSS {r['maxrss'] / 1e9:5.2f} GB")
         print(f"load average at end {os.getloadavg()}")
     finally:
         if ns.keep:

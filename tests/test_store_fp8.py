@@ -144,6 +144,13 @@ def test_collate_dequantizes_into_the_compute_dtype(tmp_path):
     b16 = collate(stores["float8_e4m3fn"], bins, 64, 3, 100, dequant_dtype=torch.bfloat16)
     assert b16.aux.dtype == b16.final.dtype == torch.bfloat16
     assert collate(stores["float32"], bins, 64, 3, 100, dequant_dtype=torch.bfloat16).aux.dtype == torch.float32
+    # CUDA training: the states stay float8 with their scales until Batch.to dequantizes them on the device
+    late = collate(stores["float8_e4m3fn"], bins, 64, 3, 100, dequant_dtype=torch.bfloat16, dequantize=False)
+    assert late.aux.dtype == late.final.dtype == F8 and late.aux_scale.shape == (2, 47, 2)
+    assert late.final_scale.shape == (2, 47, 1) and late.dequant_dtype == torch.bfloat16
+    moved = late.to(torch.device("cpu"))
+    assert moved.aux_scale is None and moved.final_scale is None
+    assert torch.equal(moved.aux, b16.aux) and torch.equal(moved.final, b16.final)
 
 
 @pytest.mark.slow

@@ -212,7 +212,7 @@ def dequantize_states(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | 
     t, width = q.shape
     n = int(scale.shape[1])
     if out is None:
-        out = torch.empty(t, width, dtype=dtype)
+        out = torch.empty(t, width, dtype=dtype, device=q.device)
     out.copy_(q)
     out.unflatten(1, (n, width // n)).mul_(scale.to(out.dtype)[:, :, None])
     return out
@@ -555,6 +555,17 @@ class HiddenStateStore:
 
     def file(self, index: int) -> Path:
         return self.path / self.entry(index)["file"]
+
+    def prefetch(self, indices: list[int]) -> None:
+        """Ask the kernel to start reading these samples' files into the page cache (posix_fadvise WILLNEED:
+        asynchronous, whole-file reads instead of page-fault-sized ones when ``load`` touches them)."""
+        for i in indices:
+            with contextlib.suppress(OSError, StoreError):  # a missing file is load's error to report
+                fd = os.open(self.file(i), os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                finally:
+                    os.close(fd)
 
     def missing_indices(self, start: int = 0, end: int | None = None) -> list[int]:
         """Dataset indices in [start, end) without a finished sample."""

@@ -70,9 +70,9 @@ class TrainConfig(BaseModel):
         None, description="dtype of the saved draft weights (None: the verifier's dtype).")
     save_embedding: bool = Field(False, description="Also save embed_tokens.weight in model.safetensors (vLLM "
                                  "shares the verifier's embedding when it is absent; Kimi: 2.3 GB saved).")
-    loader_workers: int = Field(1, ge=0, description="DataLoader worker processes that read and collate the next "
-                                "optimizer steps' batches while the current one computes (0 = in the training "
-                                "process).",
+    loader_workers: int = Field(1, ge=0, description="Loader threads that read and collate the next optimizer "
+                                "steps' batches while the current one computes, 2 steps each in flight (0 = load "
+                                "on demand in the training loop).",
         json_schema_extra=RUNTIME)
     on_insufficient_memory: Literal["fail", "warn"] = Field(
         "fail", description="When the training memory plan (eagle3.train.memory: parameters, gradients, AdamW "

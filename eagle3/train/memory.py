@@ -32,13 +32,13 @@ nh / KV heads nkv of head_dim hd; c = compute bytes (2: bf16 autocast on CUDA, 4
                    (alive through the unroll), and the last step's transients (its logits c N D + the KL product
                    a N D). The peak is at the end of the forward's last step (the backward frees more than it adds).
     batch          the micro-batch on the device: aux [N, n_aux H_t] + final [N, H] in the batch dtype, ids/masks;
-                   on CPU the whole optimizer step's micro-batches plus the loader's prefetch (2 steps per worker)
+                   on CPU the whole optimizer step's micro-batches plus the loader's prefetch (2 steps per thread)
 
     peak = parameters + buffers + teacher head + AdamW states + gradients (+ DDP buckets)
            + max(activations + batch, AdamW step temporary)
 
 Not counted: the CUDA context and allocator slack (the margin covers them), the Python/torch runtime of each process
-(~0.3 GB RSS each on CPU, loader workers included), validation (no autograd: smaller than training).
+(~0.3 GB RSS per training process on CPU), validation (no autograd: smaller than training).
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def plan_training_memory(draft: DraftConfig, cfg: TrainConfig, world: int | None
     batch = micro * resident
     items.append(("batches", batch, f"{_gb(micro)} per micro-batch" + (
         "" if cuda else f" x {resident} (the step's {cfg.grad_accum_steps} + 2 steps prefetched per loader "
-        f"worker, {cfg.loader_workers} workers)")))
+        f"thread, {cfg.loader_workers} threads)")))
     step_tmp = grads  # AdamW's foreach sqrt(exp_avg_sq) temporary
     items.append(("AdamW step temporary", step_tmp, "during optimizer.step(), after the activations are freed"))
     peak = static + max(activations + batch, step_tmp)

@@ -103,7 +103,10 @@ class Trainer:
         self.micro = cfg.batch_size // (d.world * cfg.grad_accum_steps)
         self.device = self._device()
         self.autocast = torch.bfloat16 if self.device.type == "cuda" else None
-        self.dequant_dtype = self.autocast or torch.float32  # a float8 store's states, dequantized by the loader
+        # a float8 store's states: dequantized to the compute dtype by the loader workers on CPU, on the GPU after
+        # the copy on CUDA (Batch.to)
+        self.dequant_dtype = self.autocast or torch.float32
+        self.dequant_in_loader = self.device.type != "cuda"
         spec = VerifierSpec.from_path(self.verifier_path)
         try:
             self.store = HiddenStateStore(self.store_dir)
@@ -249,7 +252,7 @@ class Trainer:
                          self.dist.rank)
         self._loader = StepLoader(self.store, plan, self._steps(), cfg.max_seq_len, cfg.ttt_steps,
                                   self.draft_cfg.vocab_size, cfg.loader_workers, pin_memory=self.device.type == "cuda",
-                                  dequant_dtype=self.dequant_dtype)
+                                  dequant_dtype=self.dequant_dtype, dequantize=self.dequant_in_loader)
         batches_of = iter(self._loader)
         while self.epoch < cfg.epochs and not stopped:
             window = torch.zeros(cfg.ttt_steps, N_STATS, dtype=torch.float64)
@@ -340,7 +343,7 @@ class Trainer:
         for j in range(math.ceil(len(self.val_bins) / per_round)):
             bins = self.val_bins[j * per_round + d.rank * self.micro:j * per_round + (d.rank + 1) * self.micro]
             batch = collate(self.store, bins or self.val_bins[:1], cfg.max_seq_len, cfg.ttt_steps,
-                            self.draft_cfg.vocab_size, self.dequant_dtype)
+                            self.draft_cfg.vocab_size, self.dequant_dtype, self.dequant_in_loader)
             _, s = self.ttt(batch.to(self.device), one)
             if bins:
                 stats += s
