@@ -27,7 +27,8 @@ nh / KV heads nkv of head_dim hd; c = compute bytes (2: bf16 autocast on CUDA, 4
                      attention mask, as SDPA converts it to an additive one: c B T S_k; log-sum-exp a B nh T
                      MLP: gate/up inputs (2 c N H on CUDA, a N H on CPU) + gate, silu, up, product 4 c N I
                      lm_head input c N H; log-softmax of the draft logits a B (T - 1 - k) D
-                   plus fc's input (CUDA: the bf16 cast of the aux states, c N n_aux H_t), autocast's bf16 copies of
+                   plus fc's input (CUDA: the bf16 cast of the aux states, c N n_aux H_t; CPU: a float32 copy of a
+                   bf16 batch), autocast's bf16 copies of
                    the trainable matmul weights (CUDA), the teacher probabilities and log-probabilities a N D x 2
                    (alive through the unroll), and the last step's transients (its logits c N D + the KL product
                    a N D). The peak is at the end of the forward's last step (the backward frees more than it adds).
