@@ -96,7 +96,7 @@ class Batch:
         return out
 
     def pin_memory(self) -> Batch:
-        """Page-locked copies, so ``to(cuda, non_blocking=True)`` overlaps the copy (the DataLoader calls this)."""
+        """Page-locked copies, so ``to(cuda, non_blocking=True)`` overlaps the copy (the loader threads call this)."""
         return self._map(torch.Tensor.pin_memory)
 
 
@@ -164,7 +164,7 @@ def collate(store: HiddenStateStore, bins: list[list[int]], max_seq_len: int, tt
 class BatchPlan:
     """Which packed rows form each optimizer step: a seeded permutation of the rows per epoch, cut into global
     batches of ``batch_size`` rows, each split over ``grad_accum_steps`` micro-batches x ``world`` processes.
-    Plain data, so DataLoader workers compute the same steps as the trainer."""
+    Plain data: the loader computes the same steps as the trainer."""
 
     rows: list[list[int]]  # packed training rows: sample indices per row
     seed: int
