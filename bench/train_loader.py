@@ -1,6 +1,6 @@
 """The trainer's input pipeline at Kimi-K2.5 shapes vs the disk it reads from, bf16 and FP8 stores, two store sizes.
 
-    PYTHONPATH=. .venv/bin/python bench/train_loader.py [--sizes-gb 2 8] [--workers 1 2] [--rows-per-step 1]
+    PYTHONPATH=. .venv/bin/python bench/train_loader.py [--sizes-gb 2 8] [--workers 1 2] [--rows-per-step 1] [--thp]
                                                         [--dir /var/tmp] [--keep]
 
 Stores: synthetic, at Kimi-K2.5's layout (hidden 7168, aux [2, 30, 58] in vLLM's convention + the final state:
@@ -138,8 +138,10 @@ def loader_child(ns: argparse.Namespace) -> None:
         "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 
 
-def run_loader(store: Path, workers: int, rows_per_step: int, dequant: str) -> dict:
+def run_loader(store: Path, workers: int, rows_per_step: int, dequant: str, thp: bool = False) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if thp:  # PyTorch's CPU allocator asks for transparent huge pages on big allocations: 512x fewer page faults
+        env["THP_MEM_ALLOC_ENABLE"] = "1"
     out = subprocess.run([sys.executable, __file__, "--child", str(store), "--workers", str(workers),
                           "--rows-per-step", str(rows_per_step), "--dequant", dequant], env=env, capture_output=True,
                          text=True, check=False)
@@ -158,6 +160,8 @@ def main() -> None:
     ap.add_argument("--dequant", nargs="+", default=["device", "loader"], choices=["device", "loader"],
                     help="FP8: where the states are dequantized (device = the trainer's CUDA path: the loader "
                     "delivers float8 + scales; loader = its CPU path: workers dequantize to bf16)")
+    ap.add_argument("--thp", action="store_true", help="also run each loader with THP_MEM_ALLOC_ENABLE=1 (a "
+                    "deployment setting: fresh batch buffers fault in 2 MB pages)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ns = ap.parse_args()
     if ns.child:
@@ -196,10 +200,11 @@ def main() -> None:
                 nbytes, secs = read_all(files)
                 runs = []
                 modes = ns.dequant if dtype == "float8_e4m3fn" else ["-"]
-                for w, mode in ((w, m) for w in ns.workers for m in modes):
+                for w, mode, thp in ((w, m, t) for w in ns.workers for m in modes for t in [False] + [True] * ns.thp):
                     drop_cache(files)
-                    r = run_loader(store, w, ns.rows_per_step, mode if mode != "-" else "loader")
-                    runs.append((w, dtype if mode == "-" else f"{dtype} dequant on {mode}", r))
+                    r = run_loader(store, w, ns.rows_per_step, mode if mode != "-" else "loader", thp)
+                    label = (dtype if mode == "-" else f"{dtype} dequant on {mode}") + (" +THP" if thp else "")
+                    runs.append((w, label, r))
                 drop_cache(files)
                 nbytes2, secs2 = read_all(files)
                 disk = [nbytes / secs, nbytes2 / secs2]  # bytes/s before and after the loader runs
@@ -207,7 +212,7 @@ def main() -> None:
                 for w, label, r in runs:
                     tps = r["steady_tokens_per_s"]
                     results.append((size, label, w, tps, disk_tps, r))
-                    print(f"{label:>31} {size:g} GB store ({nbytes / 1e9:.2f} GB, {nbytes / tokens:,.0f} B/token): "
+                    print(f"{label:>36} {size:g} GB store ({nbytes / 1e9:.2f} GB, {nbytes / tokens:,.0f} B/token): "
                           f"disk {disk[0] / 1e6:,.0f} / {disk[1] / 1e6:,.0f} MB/s = {disk_tps:,.0f} tok/s | "
                           f"loader {w} thread(s): {tps:,.0f} tok/s steady over {r['steps']} steps "
                           f"({r['tokens'] / r['seconds']:,.0f} tok/s from the start, first batch after "
@@ -216,7 +221,7 @@ def main() -> None:
                           f"({r['batch_dtype']} batches)", flush=True)
         print("\n== summary (steady tokens/s; targets: loader/disk >= 0.8, and the 12k tokens/s pace) ==")
         for size, label, w, tps, disk_tps, r in results:
-            print(f"{label:>31} {size:>4g} GB  threads {w}: loader {tps:>8,.0f}  disk {disk_tps:>8,.0f}  "
+            print(f"{label:>36} {size:>4g} GB  threads {w}: loader {tps:>8,.0f}  disk {disk_tps:>8,.0f}  "
                   f"loader/disk {tps / disk_tps:5.2f} ({'ok' if tps / disk_tps >= 0.8 else 'MISSED'})  "
                   f"loader/12k {tps / PACE_TOKENS_PER_S:5.2f}  peak RSS {r['maxrss'] / 1e9:5.2f} GB")
         print(f"load average at end {os.getloadavg()}")
