@@ -8,11 +8,13 @@ dataset (the ``input_ids`` list lengths, read from Arrow without touching the to
 Store bytes per sample of T tokens (docs/DESIGN.md, one safetensors file per sample):
 
     hidden states  T * (n_aux + 1) * hidden * dtype_bytes      aux_hidden_states [T, n_aux*H] + final [T, H]
-    overhead       T * (8 + 1) + header(T, index)               input_ids int64 + loss_mask uint8 + safetensors header
+                   + T * (n_aux + 1) * 4 for a scaled dtype     float32 scales per token and state (float8_e4m3fn)
+    overhead       T * (8 + 1) + header(T)                      input_ids int64 + loss_mask uint8 + safetensors header
 
 (manifest.jsonl lines, ~150 bytes per sample, and filesystem block rounding are left to the margin.)
 
-Kimi-K2.5 (hidden 7168, aux [2, 30, 58] + final, bf16): 57,344 B/token of hidden states, 29,360,128 B for 512 tokens.
+Kimi-K2.5 (hidden 7168, aux [2, 30, 58] + final, bf16): 57,344 B/token of hidden states, 29,360,128 B for 512 tokens;
+float8_e4m3fn: 28,688 B/token (28,672 + 16 of scales), 0.5003 of bf16.
 Aux layer ids are in vLLM's convention (id k = residual stream ENTERING decoder layer k).
 """
 
@@ -31,7 +33,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from eagle3.extract.config import ExtractConfig
-from eagle3.extract.store import SAMPLE_METADATA, TOKEN_TENSORS
+from eagle3.extract.store import SAMPLE_METADATA, TOKEN_TENSORS, is_scaled, sample_tensors
 from eagle3.prepare import PreparedData, load_prepared
 from eagle3.regenerate.config import RegenerateConfig
 from eagle3.support.artifacts import Artifact, file_problem
@@ -102,7 +104,8 @@ class StorePlan(BaseModel):
     num_hidden_layers: int
     store_dtype: str
     dtype_bytes: int
-    bytes_per_token: int = Field(description="hidden-state bytes per token: (n_aux + 1) * hidden * dtype_bytes")
+    bytes_per_token: int = Field(description="hidden-state bytes per token: (n_aux + 1) * hidden * dtype_bytes, "
+                                 "plus (n_aux + 1) float32 scales for a scaled dtype (float8_e4m3fn)")
     overhead_bytes_per_token: int = Field(description="input_ids int64 + loss_mask uint8 per token")
     num_samples: int
     total_tokens: int
@@ -136,7 +139,8 @@ class StorePlan(BaseModel):
              f"(longest {self.longest_sample_tokens:,}, max_seq_len {self.max_seq_len:,} tokens)"),
             (f"  {self.bytes_per_token:,} bytes per token = ({len(self.aux_layer_ids)} aux layers "
              f"{self.aux_layer_ids} (vLLM ids) + final) x hidden {self.hidden_size:,} x {self.dtype_bytes} bytes "
-             f"({self.store_dtype})"),
+             f"({self.store_dtype})" + (f" + {len(self.aux_layer_ids) + 1} float32 scales"
+                                        if is_scaled(self.store_dtype) else "")),
             (f"  exact size: {_bytes(self.total_bytes)} = hidden states {_bytes(self.hidden_state_bytes)} "
              f"+ overhead {_bytes(self.overhead_bytes)} (token ids, loss masks, file headers)"),
             f"  worst case at max_seq_len: {_bytes(self.worst_case_bytes)}",
@@ -176,20 +180,18 @@ def safetensors_header_bytes(
 
 
 def store_file_bytes(tokens: int, n_aux: int, hidden_size: int, store_dtype: str) -> tuple[int, int, int]:
-    """(hidden-state bytes, per-token bookkeeping bytes, header bytes) of the store file of a ``tokens``-token sample.
+    """(hidden-state bytes (scales included), per-token bookkeeping bytes, header bytes) of the store file of a
+    ``tokens``-token sample.
 
-    Mirrors ``eagle3.extract.store.serialize_sample`` (tensor names, ``TOKEN_TENSORS`` dtypes, ``SAMPLE_METADATA``);
-    the header depends on the token count only.
+    Sizes the layout ``eagle3.extract.store.sample_tensors`` gives (what ``serialize_sample`` writes, with
+    ``SAMPLE_METADATA``); the header depends on the token count only.
     """
-    st = dtype(store_dtype)
-    tensors = [
-        ("aux_hidden_states", st.safetensors, (tokens, n_aux * hidden_size)),
-        ("final_hidden_state", st.safetensors, (tokens, hidden_size)),
-        *((name, dtype(dt).safetensors, (tokens,)) for name, dt in TOKEN_TENSORS),
-    ]
-    per_token = sum(dtype(dt).bytes for _, dt in TOKEN_TENSORS)
-    header = safetensors_header_bytes(tensors, SAMPLE_METADATA)
-    return tokens * (n_aux + 1) * hidden_size * st.bytes, tokens * per_token, header
+    layout = sample_tensors(tokens, n_aux, hidden_size, dtype(store_dtype).name)
+    header = safetensors_header_bytes([(name, dtype(dt).safetensors, shape) for name, dt, shape in layout],
+                                      SAMPLE_METADATA)
+    sizes = {name: dtype(dt).bytes * math.prod(shape) for name, dt, shape in layout}
+    bookkeeping = sum(sizes[name] for name, _ in TOKEN_TENSORS)
+    return sum(sizes.values()) - bookkeeping, bookkeeping, header
 
 
 def _total_header_bytes(lengths: np.ndarray, n_aux: int, hidden_size: int, store_dtype: str) -> int:
@@ -292,7 +294,7 @@ def plan_store(
 
     n_aux, hidden = len(aux), spec.hidden_size
     dtype_bytes = dtype(store_dtype).bytes
-    bytes_per_token = (n_aux + 1) * hidden * dtype_bytes
+    bytes_per_token = store_file_bytes(1, n_aux, hidden, store_dtype)[0]  # states (and their scales) per token
     overhead_per_token = sum(dtype(dt).bytes for _, dt in TOKEN_TENSORS)
     total_tokens = int(lengths.sum())
     header = _total_header_bytes(lengths, n_aux, hidden, store_dtype)

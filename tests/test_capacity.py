@@ -43,7 +43,7 @@ def test_kimi_bytes_per_token_and_per_sample_match_a_real_store_file(kimi_config
     assert plan.total_bytes == len(real) == 29_365_104
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float8_e4m3fn"])
 def test_store_file_bytes_equal_the_store_writer_for_any_length(dtype):
     for tokens, n_aux, hidden, index in [(1, 1, 8, 0), (37, 2, 64, 9), (1000, 3, 48, 10), (3, 4, 16, 123_456_789)]:
         real = serialize_sample(torch.zeros(tokens, n_aux * hidden), torch.zeros(tokens, hidden),
@@ -67,6 +67,19 @@ def test_dataset_total_is_the_sum_over_samples_and_worst_case(kimi_config, tmp_p
     assert plan.estimated_seconds == pytest.approx(1320 + 5350 / 2500)
     text = plan.summary()
     assert "57,344 bytes per token" in text and "GB" in text and "GiB" in text and str(tmp_path) in text
+
+
+def test_kimi_float8_store_is_half_of_bf16_scales_included_and_matches_a_real_file(kimi_config, tmp_path):
+    bf16 = plan_store(kimi_config, KIMI_AUX, "bfloat16", [512, 2048], tmp_path, CapacityConfig(), 2048)
+    f8 = plan_store(kimi_config, KIMI_AUX, "float8_e4m3fn", [512, 2048], tmp_path, CapacityConfig(), 2048)
+    assert f8.bytes_per_token == 28_688 == (3 + 1) * 7168 * 1 + (3 + 1) * 4  # values + one float32 scale per state
+    assert f8.dtype_bytes == 1 and f8.overhead_bytes_per_token == 9
+    assert f8.bytes_per_token / bf16.bytes_per_token == pytest.approx(0.50028, abs=1e-5)
+    assert f8.total_bytes / bf16.total_bytes < 0.501
+    real = [serialize_sample(torch.zeros(t, 3 * 7168), torch.ones(t, 7168), torch.zeros(t, dtype=torch.int64),
+                             torch.zeros(t, dtype=torch.uint8), torch.float8_e4m3fn, index=0) for t in (512, 2048)]
+    assert f8.total_bytes == sum(map(len, real))
+    assert "28,688 bytes per token" in f8.summary() and "4 float32 scales" in f8.summary()
 
 
 def test_float32_store_doubles_the_hidden_state_bytes(kimi_config, tmp_path):

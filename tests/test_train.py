@@ -29,14 +29,14 @@ TINY = {"lr": 3e-3, "batch_size": 2, "max_seq_len": 256, "ttt_steps": 3, "log_ev
 
 
 def make_store(root: Path, verifier: Path, ids: list[list[int]], masks: list[list[int]], aux_layer_ids: list[int],
-               draft_vocab: int, vocab_size: int) -> tuple[Path, Path]:
-    """Prepared-dataset layout -> the extraction stage's store (transformers backend, float32) + the vocab
-    stage's mapping. Returns (store dir, mapping path)."""
+               draft_vocab: int, vocab_size: int, store_dtype: str = "float32") -> tuple[Path, Path]:
+    """Prepared-dataset layout -> the extraction stage's store (transformers backend, float32 unless
+    ``store_dtype``) + the vocab stage's mapping. Returns (store dir, mapping path)."""
     import datasets
 
     ds = root / "dataset"
     datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": masks}).save_to_disk(str(ds))
-    extract_hidden_states({"verifier": str(verifier), "aux_layer_ids": aux_layer_ids, "store_dtype": "float32",
+    extract_hidden_states({"verifier": str(verifier), "aux_layer_ids": aux_layer_ids, "store_dtype": store_dtype,
                            "device": "cpu", "log_every_samples": 0,
                            "log_every_seconds": 0}, ds, root / "store")
     vocab = build_vocab(VocabConfig(draft_vocab_size=draft_vocab), ds, vocab_size, root / "vocab")

@@ -11,6 +11,11 @@ store/rows_<a>-<b>/sample_<index:09d>.safetensors
    final_hidden_state  [T, H]          store dtype, output of the LAST decoder layer BEFORE the final norm
    input_ids           [T] int64
    loss_mask           [T] uint8 (1 = assistant token)
+ and, only in a store of a scaled dtype (float8_e4m3fn, ``eagle3.support.dtypes.SCALED_DTYPES``):
+   aux_hidden_states_scale   [T, n_aux] float32   one scale per token and per aux state
+   final_hidden_state_scale  [T, 1] float32
+   state = stored value * scale; scale = the state's absmax / the dtype's max (448), so every token's states keep
+   their own range (``quantize_states`` / ``dequantize_states``)
 ```
 
 A sample file exists under its final name only once complete (temp name + fsync + rename), and a manifest line
@@ -48,8 +53,8 @@ from typing import Any
 import torch
 from safetensors.torch import save as safetensors_save
 
-from eagle3.support.dtypes import DTYPES
-from eagle3.support.dtypes import STORE_DTYPES as STORE_DTYPE_NAMES
+from eagle3.support.dtypes import DTYPES, SCALED_DTYPES
+from eagle3.support.dtypes import STORE_DTYPES as _STORE_DTYPE_NAMES
 from eagle3.support.io import atomic_write_bytes, atomic_write_json, atomic_write_text, sha256_file, sha256_json
 
 FORMAT = "eagle3-hidden-states/1"
@@ -65,7 +70,10 @@ TOKEN_TENSORS = (("input_ids", "int64"), ("loss_mask", "uint8"))  # per-token bo
 SAMPLE_METADATA = {"format": "pt"}
 
 _ST_DTYPES = {d.safetensors: d.torch for d in DTYPES.values()}  # safetensors header code -> torch dtype
-STORE_DTYPES = {name: DTYPES[name].torch for name in STORE_DTYPE_NAMES}
+STORE_DTYPES = {name: DTYPES[name].torch for name in _STORE_DTYPE_NAMES}  # store.json "dtype" -> torch dtype
+STATE_KEYS = ("aux_hidden_states", "final_hidden_state")
+SCALE_SUFFIX = "_scale"  # "<state key>_scale": the float32 scales of a scaled store's states
+SCALE_DTYPE = "float32"
 # keys of store.json that must match for a rerun to resume into an existing store
 _RESUME_KEYS = ("format", "verifier_fingerprint", "aux_layer_ids", "hidden_size", "n_aux", "dtype", "compute_dtype",
                 "num_samples", "group_size")
@@ -177,26 +185,83 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise StoreError(f"cannot read {path}: {e}") from None
 
 
+def is_scaled(dtype: str | torch.dtype) -> bool:
+    """True for a store dtype whose states are stored with per-token, per-state scales (float8_e4m3fn)."""
+    return any(dtype in (name, DTYPES[name].torch) for name in SCALED_DTYPES)
+
+
+def sample_tensors(tokens: int, n_aux: int, hidden_size: int, dtype: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype name, shape) of every tensor in the file of a ``tokens``-token sample of a store of ``dtype``:
+    the file layout, which ``serialize_sample`` writes and the capacity plan sizes."""
+    out = [("aux_hidden_states", dtype, (tokens, n_aux * hidden_size)),
+           ("final_hidden_state", dtype, (tokens, hidden_size))]
+    if is_scaled(dtype):
+        out += [("aux_hidden_states" + SCALE_SUFFIX, SCALE_DTYPE, (tokens, n_aux)),
+                ("final_hidden_state" + SCALE_SUFFIX, SCALE_DTYPE, (tokens, 1))]
+    return out + [(name, dt, (tokens,)) for name, dt in TOKEN_TENSORS]
+
+
+def quantize_states(x: torch.Tensor, n_states: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [T, n_states * H] (any float dtype, any device) -> (q [T, n_states * H] ``dtype``, scale [T, n_states]
+    float32) on CPU, with x ~= q * scale per state.
+
+    One scale per token and per state (absmax / the dtype's max): a state's outlier channels (hundreds of times its
+    typical magnitude in deep layers) set only that token's scale. An all-zero state gets scale 1 (stored exactly).
+    Error of q * scale against x (computed in float32): at most 2**-4 |x| (3 mantissa bits, round to nearest), or
+    2**-10 * scale for values in float8_e4m3fn's subnormal range (|x| < 2**-6 * scale).
+    """
+    t = int(x.shape[0])
+    xf = x.detach().to("cpu", torch.float32).reshape(t, n_states, -1)  # [T, n, H]
+    top = torch.finfo(dtype).max
+    scale = xf.abs().amax(dim=-1) / top  # [T, n]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # NaN/Inf stay: verify(check_finite) sees them
+    q = (xf / scale[..., None]).clamp_(-top, top).to(dtype)  # clamp: float32 rounding may land just above max
+    return q.reshape(t, -1), scale
+
+
+def dequantize_states(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q: [T, n * H] scaled store dtype, scale: [T, n] float32 -> states [T, n * H] in ``out`` (written in place,
+    any float dtype; e.g. a slice of a padded batch) or a new ``dtype`` tensor.
+
+    The scale is cast to the output dtype first: a bf16 x float32 in-place multiply takes a ~15x slower CPU path.
+    In bf16 the result carries bf16 rounding on top of the quantization error (about 2**-8 relative).
+    """
+    t, width = q.shape
+    n = int(scale.shape[1])
+    if out is None:
+        out = torch.empty(t, width, dtype=dtype, device=q.device)
+    out.copy_(q)
+    out.unflatten(1, (n, width // n)).mul_(scale.to(out.dtype)[:, :, None])
+    return out
+
+
 def serialize_sample(
     aux: torch.Tensor, final: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, dtype: torch.dtype,
     index: int,
 ) -> bytes:
-    """safetensors bytes of one sample (shapes checked; states cast to the store ``dtype``).
+    """safetensors bytes of one sample (shapes checked; states cast to the store ``dtype``, or quantized with
+    their scales for a scaled dtype: ``sample_tensors`` lists the file's tensors).
 
     aux: [T, n_aux * H], final: [T, H], input_ids: [T], loss_mask: [T]
     """
     t = int(input_ids.shape[0])
-    if aux.dim() != 2 or final.dim() != 2 or aux.shape[0] != t or final.shape[0] != t or loss_mask.shape != (t,):
+    scaled = is_scaled(dtype)
+    if aux.dim() != 2 or final.dim() != 2 or aux.shape[0] != t or final.shape[0] != t or loss_mask.shape != (t,) \
+            or (scaled and (final.shape[1] == 0 or aux.shape[1] % final.shape[1])):
         raise StoreError(
             f"sample {index}: inconsistent shapes aux {tuple(aux.shape)}, final {tuple(final.shape)}, "
             f"input_ids {tuple(input_ids.shape)}, loss_mask {tuple(loss_mask.shape)} (want [T, n_aux*H], [T, H], [T], [T])"
         )
-    tensors = {
-        "aux_hidden_states": aux.detach().to("cpu", dtype).contiguous(),
-        "final_hidden_state": final.detach().to("cpu", dtype).contiguous(),
-        "input_ids": input_ids.detach().to("cpu", torch.int64).contiguous(),
-        "loss_mask": loss_mask.detach().to("cpu", torch.uint8).contiguous(),
-    }
+    tensors: dict[str, torch.Tensor] = {}
+    for key, x in zip(STATE_KEYS, (aux, final)):
+        if scaled:
+            tensors[key], tensors[key + SCALE_SUFFIX] = quantize_states(x, int(x.shape[1]) // int(final.shape[1]),
+                                                                       dtype)
+        else:
+            tensors[key] = x.detach().to("cpu", dtype).contiguous()
+    tensors["input_ids"] = input_ids.detach().to("cpu", torch.int64).contiguous()
+    tensors["loss_mask"] = loss_mask.detach().to("cpu", torch.uint8).contiguous()
     return safetensors_save(tensors, metadata=SAMPLE_METADATA)
 
 
@@ -500,7 +565,8 @@ class HiddenStateStore:
     ``len(store)`` and ``indices()`` count samples with a manifest line (``strict=False`` skips damaged manifest
     lines instead of raising; extraction's resume uses it before repairing the manifest). ``load(i)`` returns
     ``{"aux_hidden_states": [T, n_aux*H], "final_hidden_state": [T, H], "input_ids": [T] int64,
-    "loss_mask": [T] uint8}`` memory-mapped from the sample's file.
+    "loss_mask": [T] uint8}`` memory-mapped from the sample's file, plus ``<state>_scale`` tensors in a scaled
+    store (``scaled``; read states through ``dequantize_states`` there).
     """
 
     def __init__(self, path: str | os.PathLike, strict: bool = True):
@@ -528,6 +594,11 @@ class HiddenStateStore:
     @property
     def dtype(self) -> torch.dtype:
         return STORE_DTYPES[self.meta["dtype"]]
+
+    @property
+    def scaled(self) -> bool:
+        """States stored with per-token scales (float8_e4m3fn): state = stored value * ``<key>_scale``."""
+        return is_scaled(self.meta["dtype"])
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -557,6 +628,17 @@ class HiddenStateStore:
     def file(self, index: int) -> Path:
         return self.path / self.entry(index)["file"]
 
+    def prefetch(self, indices: list[int]) -> None:
+        """Ask the kernel to start reading these samples' files into the page cache (posix_fadvise WILLNEED:
+        asynchronous, whole-file reads instead of page-fault-sized ones when ``load`` touches them)."""
+        for i in indices:
+            with contextlib.suppress(OSError, StoreError):  # a missing file is load's error to report
+                fd = os.open(self.file(i), os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                finally:
+                    os.close(fd)
+
     def missing_indices(self, start: int = 0, end: int | None = None) -> list[int]:
         """Dataset indices in [start, end) without a finished sample."""
         end = self.meta["num_samples"] if end is None else end
@@ -571,18 +653,16 @@ class HiddenStateStore:
         return tensors
 
     def _check(self, index: int, path: Path, t: dict[str, torch.Tensor]) -> None:
-        missing = [k for k in KEYS if k not in t]
+        layout = sample_tensors(self.tokens(index), int(self.meta["n_aux"]), self.hidden_size, self.meta["dtype"])
+        missing = [k for k, _, _ in layout if k not in t]
         if missing:
             raise StoreError(f"sample {index} ({path}): missing tensors {missing}")
-        n = self.tokens(index)
-        h, n_aux = self.hidden_size, int(self.meta["n_aux"])
-        want = {"aux_hidden_states": (n, n_aux * h), "final_hidden_state": (n, h), "input_ids": (n,), "loss_mask": (n,)}
-        for k, shape in want.items():
+        for k, _, shape in layout:
             if tuple(t[k].shape) != shape:
                 raise StoreError(f"sample {index} ({path}): {k} has shape {tuple(t[k].shape)}, expected {shape}")
-        for k in ("aux_hidden_states", "final_hidden_state"):
-            if t[k].dtype != self.dtype:
-                raise StoreError(f"sample {index} ({path}): {k} is {t[k].dtype}, store dtype is {self.meta['dtype']}")
+        for k, dtype, _ in layout:
+            if k not in dict(TOKEN_TENSORS) and t[k].dtype != DTYPES[dtype].torch:  # the states and their scales
+                raise StoreError(f"sample {index} ({path}): {k} is {t[k].dtype}, expected {dtype}")
 
     def _file_problem(self, index: int, sizes: bool = True) -> str | None:
         """None when sample ``index``'s listed file is a regular file inside the store (neither it nor its rows_*
@@ -668,8 +748,9 @@ class HiddenStateStore:
             reason = self.check_file(i, hash_check=hash_check)
             if reason is None and check_finite:
                 t = self.load(i)
-                for k in ("aux_hidden_states", "final_hidden_state"):
-                    if not torch.isfinite(t[k]).all():
+                for k in STATE_KEYS:
+                    x = dequantize_states(t[k], t[k + SCALE_SUFFIX]) if self.scaled else t[k]
+                    if not torch.isfinite(x).all():
                         reason = f"{k} has NaN/Inf"
             if reason is not None:
                 bad.append(f"sample {i}: {reason}")

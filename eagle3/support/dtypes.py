@@ -37,6 +37,7 @@ DTYPES: dict[str, DType] = {d.name: d for d in (
     DType("float32", torch.float32, "F32", 4, True),
     DType("bfloat16", torch.bfloat16, "BF16", 2, True),
     DType("float16", torch.float16, "F16", 2, True),
+    DType("float8_e4m3fn", torch.float8_e4m3fn, "F8_E4M3", 1, True),  # store only: needs a scale (SCALED_DTYPES)
     DType("int64", torch.int64, "I64", 8, False),
     DType("int32", torch.int32, "I32", 4, False),
     DType("int16", torch.int16, "I16", 2, False),
@@ -48,7 +49,10 @@ _BY_CODE = {d.safetensors: d for d in DTYPES.values()}
 _BY_TORCH = {d.torch: d for d in DTYPES.values()}
 
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")  # what a verifier or draft may run in
-STORE_DTYPES = ("bfloat16", "float16", "float32")  # what the hidden-state store may hold
+STORE_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")  # what the hidden-state store may hold
+# store dtypes too narrow in range for raw states: each token's state is stored divided by a float32 scale
+# (eagle3.extract.store quantize_states / dequantize_states)
+SCALED_DTYPES = ("float8_e4m3fn",)
 
 
 class DTypeError(ValueError):

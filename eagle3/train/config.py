@@ -77,10 +77,18 @@ class TrainConfig(BaseModel):
         None, description="dtype of the saved draft weights (None: the verifier's dtype).")
     save_embedding: bool = Field(False, description="Also save embed_tokens.weight in model.safetensors (vLLM "
                                  "shares the verifier's embedding when it is absent; Kimi: 2.3 GB saved).")
-    loader_workers: int = Field(1, ge=0, description="DataLoader worker processes that read and collate the next "
-                                "optimizer steps' batches while the current one computes (0 = in the training "
-                                "process).",
+    loader_workers: int = Field(1, ge=0, description="Loader threads that read and collate the next optimizer "
+                                "steps' batches while the current one computes, 2 steps each in flight (0 = load "
+                                "on demand in the training loop).",
         json_schema_extra=RUNTIME)
+    on_insufficient_memory: Literal["fail", "warn"] = Field(
+        "fail", description="When the training memory plan (eagle3.train.memory: parameters, gradients, AdamW "
+        "states, activations, teacher buffers, batches; bytes per process) plus memory_margin_fraction exceeds the "
+        "GPU's free memory (CUDA) or the host's available RAM (CPU, all processes): 'fail' refuses to start with "
+        "the itemized plan, 'warn' logs it and tries anyway.", json_schema_extra=RUNTIME)
+    memory_margin_fraction: float = Field(
+        0.10, ge=0, description="Memory required on top of the plan's peak, as a fraction of it (allocator slack, "
+        "the CUDA context, the Python runtime).", json_schema_extra=RUNTIME)
 
     def with_smaller_micro_batches(self, scale: float) -> TrainConfig:
         """The same run at ``scale`` (1/2, 1/4, ...) of the micro-batch, for an out-of-memory retry: grad_accum_steps

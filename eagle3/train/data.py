@@ -1,17 +1,20 @@
 """The trainer's input: split the store's samples, pack them into rows of max_seq_len tokens, collate rows into
-micro-batches, and serve the run's optimizer steps through a torch DataLoader (worker processes read and collate
-while the model computes; pinned memory on CUDA). Every sample is checked against its manifest sha256 on its first
-read of a run, in the loader, before it is collated (``verify_bins``).
+micro-batches, and serve the run's optimizer steps (loader threads read and collate while the model computes;
+pinned memory on CUDA). Every sample is checked against its manifest sha256 on its first read of a run, in the
+loader, before it is collated (``verify_bins``).
 """
 
 from __future__ import annotations
 
+import itertools
+from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from eagle3.extract.store import HiddenStateStore, StoreError
+from eagle3.extract.store import SCALE_SUFFIX, HiddenStateStore, StoreError, dequantize_states
 from eagle3.train.config import TrainError
 from eagle3.train.ttt import ttt_counted
 
@@ -63,40 +66,75 @@ class Batch:
     """Packed rows of one micro-batch (tensors on CPU until ``to``)."""
 
     input_ids: torch.Tensor  # [B, T] int64, target-vocab ids (0 in padding)
-    aux: torch.Tensor  # [B, T, n_aux * H] store dtype
-    final: torch.Tensor  # [B, T, H] store dtype, last layer output BEFORE the verifier's final norm
+    aux: torch.Tensor  # [B, T, n_aux * H] store dtype, or a scaled store's dequantized to collate's dequant_dtype
+    final: torch.Tensor  # [B, T, H] same dtype, last layer output BEFORE the verifier's final norm
     loss_mask: torch.Tensor  # [B, T] bool
     seq_ids: torch.Tensor  # [B, T] int64 sample slot within its row, -1 = padding
     position_ids: torch.Tensor  # [B, T] int64 position inside its own sample
     tokens: int  # real tokens in the batch
     counted: torch.Tensor  # [K] int64 entries counted per TTT step
+    # a scaled store's states still quantized (collate(dequantize=False)): aux/final hold the stored float8 values,
+    # these their float32 scales; ``to`` dequantizes on the device into dequant_dtype
+    aux_scale: torch.Tensor | None = None  # [B, T, n_aux]
+    final_scale: torch.Tensor | None = None  # [B, T, 1]
+    dequant_dtype: torch.dtype | None = None
+
+    def _map(self, fn) -> Batch:
+        def opt(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else fn(t)
+
+        return Batch(fn(self.input_ids), fn(self.aux), fn(self.final), fn(self.loss_mask), fn(self.seq_ids),
+                     fn(self.position_ids), self.tokens, self.counted, opt(self.aux_scale), opt(self.final_scale),
+                     self.dequant_dtype)
 
     def to(self, device: torch.device) -> Batch:
-        move = {"device": device, "non_blocking": True}
-        return Batch(self.input_ids.to(**move), self.aux.to(**move), self.final.to(**move),
-                     self.loss_mask.to(**move), self.seq_ids.to(**move), self.position_ids.to(**move), self.tokens,
-                     self.counted)
+        """On ``device``; quantized states are dequantized there (after the copy: half the bytes cross the bus)."""
+        out = self._map(lambda t: t.to(device=device, non_blocking=True))
+        if out.aux_scale is not None:
+            out.aux = _dequantize_rows(out.aux, out.aux_scale, out.dequant_dtype)
+            out.final = _dequantize_rows(out.final, out.final_scale, out.dequant_dtype)
+            out.aux_scale = out.final_scale = None
+        return out
 
     def pin_memory(self) -> Batch:
-        """Page-locked copies, so ``to(cuda, non_blocking=True)`` overlaps the copy (the DataLoader calls this)."""
-        return Batch(self.input_ids.pin_memory(), self.aux.pin_memory(), self.final.pin_memory(),
-                     self.loss_mask.pin_memory(), self.seq_ids.pin_memory(), self.position_ids.pin_memory(),
-                     self.tokens, self.counted)
+        """Page-locked copies, so ``to(cuda, non_blocking=True)`` overlaps the copy (the loader threads call this)."""
+        return self._map(torch.Tensor.pin_memory)
+
+
+def _dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q: [B, T, n * H] float8, scale: [B, T, n] -> [B, T, n * H] ``dtype`` on q's device."""
+    b, t, width = q.shape
+    return dequantize_states(q.reshape(b * t, width), scale.reshape(b * t, -1), dtype=dtype).view(b, t, width)
 
 
 def collate(store: HiddenStateStore, bins: list[list[int]], max_seq_len: int, ttt_steps: int,
-            vocab_size: int) -> Batch:
-    """Load the samples of ``bins`` (one packed row each) into padded tensors (length = longest row)."""
+            vocab_size: int, dequant_dtype: torch.dtype = torch.float32, dequantize: bool = True) -> Batch:
+    """Load the samples of ``bins`` (one packed row each) into padded tensors (length = longest row).
+
+    States keep the store dtype. A scaled store's (float8_e4m3fn) are dequantized here into ``dequant_dtype`` (the
+    training compute dtype; the loader workers then do it, CPU training), or with ``dequantize=False`` stay
+    quantized with their scales until ``Batch.to`` dequantizes them on the device (CUDA training: half the bytes
+    to copy, and no CPU conversion, which runs at ~7k tokens/s per core at Kimi-K2.5's width)."""
+    store.prefetch([i for b in bins for i in b])  # the kernel reads every file of the batch while we copy
     rows = [[store.load(i) for i in b] for b in bins]
     lens = [[min(int(s["input_ids"].shape[0]), max_seq_len) for s in r] for r in rows]
     b, t = len(bins), max(1, max(sum(r) for r in lens))
-    h, n_aux_h = store.hidden_size, store.hidden_size * int(store.meta["n_aux"])
+    h, n_aux = store.hidden_size, int(store.meta["n_aux"])
+    quantized = store.scaled and not dequantize
+    states = dequant_dtype if store.scaled and dequantize else store.dtype
     out = Batch(
-        input_ids=torch.zeros(b, t, dtype=torch.int64), aux=torch.zeros(b, t, n_aux_h, dtype=store.dtype),
-        final=torch.zeros(b, t, h, dtype=store.dtype), loss_mask=torch.zeros(b, t, dtype=torch.bool),
+        input_ids=torch.zeros(b, t, dtype=torch.int64), aux=torch.empty(b, t, n_aux * h, dtype=states),
+        final=torch.empty(b, t, h, dtype=states), loss_mask=torch.zeros(b, t, dtype=torch.bool),
         seq_ids=torch.full((b, t), -1, dtype=torch.int64), position_ids=torch.zeros(b, t, dtype=torch.int64),
         tokens=sum(map(sum, lens)), counted=torch.zeros(ttt_steps, dtype=torch.int64),
+        aux_scale=torch.empty(b, t, n_aux, dtype=torch.float32) if quantized else None,
+        final_scale=torch.empty(b, t, 1, dtype=torch.float32) if quantized else None,
+        dequant_dtype=dequant_dtype if quantized else None,
     )
+    big = [(out.aux, "aux_hidden_states"), (out.final, "final_hidden_state")]
+    if quantized:
+        big += [(out.aux_scale, "aux_hidden_states" + SCALE_SUFFIX),
+                (out.final_scale, "final_hidden_state" + SCALE_SUFFIX)]
     for r, (samples, idxs) in enumerate(zip(rows, bins)):
         start = 0
         for slot, (s, n, idx) in enumerate(zip(samples, lens[r], idxs)):
@@ -106,12 +144,18 @@ def collate(store: HiddenStateStore, bins: list[list[int]], max_seq_len: int, tt
                                  f"verifier vocabulary [0, {vocab_size})")
             sl = slice(start, start + n)
             out.input_ids[r, sl] = ids
-            out.aux[r, sl] = s["aux_hidden_states"][:n]
-            out.final[r, sl] = s["final_hidden_state"][:n]
+            for dest, key in big:
+                if store.scaled and not quantized and not key.endswith(SCALE_SUFFIX):
+                    # dest[r, sl]: [n, width], contiguous, written in place
+                    dequantize_states(s[key][:n], s[key + SCALE_SUFFIX][:n], out=dest[r, sl])
+                else:
+                    dest[r, sl] = s[key][:n]
             out.loss_mask[r, sl] = s["loss_mask"][:n].bool()
             out.seq_ids[r, sl] = slot
             out.position_ids[r, sl] = torch.arange(n)
             start += n
+        for dest, _ in big:  # the buffers are uninitialised: zero the row's padding only
+            dest[r, start:].zero_()
     for k in range(ttt_steps):
         out.counted[k] = ttt_counted(out.loss_mask, out.seq_ids, k).sum()
     return out
@@ -142,7 +186,7 @@ def verify_bins(store: HiddenStateStore, bins: list[list[int]]) -> DamagedSample
 class BatchPlan:
     """Which packed rows form each optimizer step: a seeded permutation of the rows per epoch, cut into global
     batches of ``batch_size`` rows, each split over ``grad_accum_steps`` micro-batches x ``world`` processes.
-    Plain data, so DataLoader workers compute the same steps as the trainer."""
+    Plain data: the loader computes the same steps as the trainer."""
 
     rows: list[list[int]]  # packed training rows: sample indices per row
     seed: int
@@ -171,73 +215,74 @@ class BatchPlan:
         return [glob[(m * w + r) * mb:(m * w + r + 1) * mb] for m in range(self.grad_accum_steps)]
 
 
-class _StepBatches(torch.utils.data.Dataset):
+class _StepBatches:
     """Item (epoch, step) = this process's micro-batches of that optimizer step, collated. Indexed by the step
-    itself, so one loader (one set of worker processes) serves the whole run, resumed runs included. Pickles as
-    the store's path (a worker re-opens the store instead of receiving its whole manifest)."""
+    itself, so one loader serves the whole run, resumed runs included. Each item first asks the kernel for the
+    files of the ``lookahead`` steps after it (``HiddenStateStore.prefetch``), so disk reads run ahead of the
+    copying."""
 
-    def __init__(self, store: HiddenStateStore, plan: BatchPlan, max_seq_len: int, ttt_steps: int, vocab_size: int):
+    def __init__(self, store: HiddenStateStore, plan: BatchPlan, max_seq_len: int, ttt_steps: int, vocab_size: int,
+                 dequant_dtype: torch.dtype = torch.float32, dequantize: bool = True, lookahead: int = 1):
         self.store, self.plan = store, plan
         self.max_seq_len, self.ttt_steps, self.vocab_size = max_seq_len, ttt_steps, vocab_size
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "store": str(self.store.path)}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self.store = HiddenStateStore(state["store"])
+        self.dequant_dtype, self.dequantize, self.lookahead = dequant_dtype, dequantize, lookahead
 
     def __getitem__(self, key: tuple[int, int]) -> list[Batch] | DamagedSample:
         epoch, step = key
+        for ahead in range(1, 1 + self.lookahead):
+            self.store.prefetch([i for m in self.plan.micro_bins(epoch, step + ahead) for b in m for i in b])
         micro = self.plan.micro_bins(epoch, step)
         if (bad := verify_bins(self.store, [row for bins in micro for row in bins])) is not None:
             return bad
-        return [collate(self.store, bins, self.max_seq_len, self.ttt_steps, self.vocab_size) for bins in micro]
+        return [collate(self.store, bins, self.max_seq_len, self.ttt_steps, self.vocab_size, self.dequant_dtype,
+                        self.dequantize) for bins in micro]
 
 
 class StepLoader:
-    """The trainer's input pipeline: a torch DataLoader over the run's remaining (epoch, step) pairs, yielding each
-    optimizer step's micro-batches (``list[Batch]``, or a ``DamagedSample`` when a sample of the step failed its
-    first-read hash check). ``workers`` processes (spawned: the trainer's own process runs
-    threads that fork must not copy) read the store and collate ahead of the model, 2 steps per worker in flight;
-    0 = load in this process. Pinned memory when training on CUDA."""
+    """The trainer's input pipeline: each optimizer step's micro-batches (``list[Batch]``, or a ``DamagedSample``
+    when a sample of the step failed its first-read hash check) for the run's remaining (epoch, step) pairs, in
+    order. ``workers`` threads read the store, verify and collate ahead of the model, 2 steps per thread in flight;
+    0 = load on demand in the caller's thread. Pinned memory (in the loader threads) when training on CUDA.
+    ``dequant_dtype``, ``dequantize``: see ``collate``.
+
+    Threads, not torch DataLoader worker processes (measured 2-6x the tokens/s side by side): the work is file
+    reads, hashing and torch copies/conversions, which release the GIL, while a process must hand every batch over
+    through shared memory, which costs more than collating it (a Kimi-K2.5 row of 2048 tokens is 146 MB in bf16:
+    ~0.15-0.2 s to move through /dev/shm against ~0.07 s to collate; bench/train_loader.py). A loading error is
+    raised in the training loop as itself."""
 
     def __init__(self, store: HiddenStateStore, plan: BatchPlan, steps: Iterable[tuple[int, int]], max_seq_len: int,
-                 ttt_steps: int, vocab_size: int, workers: int, pin_memory: bool = False):
-        dataset = _StepBatches(store, plan, max_seq_len, ttt_steps, vocab_size)
-        self.loader = torch.utils.data.DataLoader(
-            dataset, sampler=list(steps), batch_size=None, collate_fn=_as_is, num_workers=workers,
-            pin_memory=pin_memory, prefetch_factor=2 if workers else None,
-            multiprocessing_context="spawn" if workers else None)
-        self._iter: Iterator[list[Batch]] | None = None
-    def __iter__(self) -> Iterator[list[Batch]]:
-        self._iter = iter(self.loader)
-        return self._clear_errors(self._iter)
+                 ttt_steps: int, vocab_size: int, workers: int, pin_memory: bool = False,
+                 dequant_dtype: torch.dtype = torch.float32, dequantize: bool = True):
+        self.items = _StepBatches(store, plan, max_seq_len, ttt_steps, vocab_size, dequant_dtype, dequantize,
+                                  lookahead=max(1, workers))
+        self.steps, self.workers, self.pin_memory = steps, workers, pin_memory
+        self._pool: ThreadPoolExecutor | None = None
 
-    @staticmethod
-    def _clear_errors(batches: Iterator[list[Batch]]) -> Iterator[list[Batch]]:
-        """A bad-input error raised in a loader worker comes back wrapped in the worker's traceback ("Caught
-        TrainError in DataLoader worker process 0. Original Traceback ..."): re-raise it as its own one line."""
-        try:
-            yield from batches
-        except ValueError as e:
-            lines = [ln for ln in str(e).splitlines() if ln.strip()]
-            last = lines[-1] if lines else str(e)
-            prefix = f"{type(e).__module__}.{type(e).__name__}: "
-            message = last.split(": ", 1)[1] if last.startswith((prefix, f"{type(e).__name__}: ")) else last
-            try:
-                clear = type(e)(message)
-            except Exception:  # noqa: BLE001 - an exception type that takes other arguments: keep it as it is
-                raise e from None
-            raise clear from None
+    def _load(self, key: tuple[int, int]) -> list[Batch] | DamagedSample:
+        batches = self.items[key]
+        if isinstance(batches, DamagedSample) or not self.pin_memory:
+            return batches
+        return [b.pin_memory() for b in batches]
+
+    def __iter__(self) -> Iterator[list[Batch] | DamagedSample]:
+        if not self.workers:
+            return map(self._load, self.steps)
+        self.close()
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="eagle3-loader")
+        return self._run(self._pool, iter(self.steps))
+
+    def _run(self, pool: ThreadPoolExecutor, steps: Iterator[tuple[int, int]]) -> Iterator[list[Batch] | DamagedSample]:
+        pending = deque(pool.submit(self._load, key) for key in itertools.islice(steps, 2 * self.workers))
+        while pending:
+            batches = pending.popleft().result()  # a loading error is raised here, in the training loop
+            for key in itertools.islice(steps, 1):
+                pending.append(pool.submit(self._load, key))
+            yield batches
 
     def close(self) -> None:
-        """Stop the worker processes (a run that stopped early leaves steps unread)."""
-        shutdown = getattr(self._iter, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
-        self._iter = None
-
-
-def _as_is(item: list[Batch]) -> list[Batch]:
-    return item
+        """Stop loading (a run that stopped early leaves steps unread): queued steps are dropped, the ones being
+        collated finish."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None

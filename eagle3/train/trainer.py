@@ -45,6 +45,7 @@ from eagle3.train.data import (
     split_indices,
     verify_bins,
 )
+from eagle3.train.memory import check_memory, free_device_memory, plan_training_memory
 from eagle3.train.schedule import lr_at
 from eagle3.train.ttt import N_STATS, TrainingTimeTest, summarize
 from eagle3.vocab import load_mapping
@@ -113,6 +114,10 @@ class Trainer:
         self.micro = cfg.batch_size // (d.world * cfg.grad_accum_steps)
         self.device = self._device()
         self.autocast = torch.bfloat16 if self.device.type == "cuda" else None
+        # a float8 store's states: dequantized to the compute dtype by the loader workers on CPU, on the GPU after
+        # the copy on CUDA (Batch.to)
+        self.dequant_dtype = self.autocast or torch.float32
+        self.dequant_in_loader = self.device.type != "cuda"
         spec = VerifierSpec.from_path(self.verifier_path)
         try:
             self.store = HiddenStateStore(self.store_dir)
@@ -133,6 +138,7 @@ class Trainer:
                              f"{self.verifier_path} has vocab_size {spec.vocab_size}")
         self.draft_cfg = DraftConfig.build(spec, len(d2t), self.store.aux_layer_ids, cfg.draft,
                                            torch_dtype=cfg.checkpoint_dtype)
+        self._check_memory()
         self.draft = Eagle3Draft.from_verifier(self.draft_cfg, self.verifier_path, d2t, t2d, seed=cfg.seed)
         head = load_verifier_head(self.verifier_path, torch.arange(len(d2t)) + d2t, with_embedding=False)
 
@@ -179,6 +185,23 @@ class Trainer:
                      "device %s", len(train_idx), len(self.train_bins), cfg.max_seq_len, self.packing,
                      self.truncated, len(val_idx), len(self.val_bins), self.steps_per_epoch, cfg.epochs, self.micro,
                      cfg.grad_accum_steps, d.world, self.device)
+
+    def _check_memory(self) -> None:
+        """The training memory plan, logged; refuses (or warns) before the draft is allocated when it cannot fit.
+        On CPU the host's RAM is shared by all ranks: local rank 0 checks for all of them."""
+        state_bytes = self.dequant_dtype.itemsize if self.store.scaled else self.store.dtype.itemsize
+        self.memory_plan = plan_training_memory(self.draft_cfg, self.cfg, self.dist.world, self.device.type,
+                                                batch_dtype_bytes=state_bytes, micro_rows=self.micro)
+        if self.dist.main:
+            for line in self.memory_plan.summary().splitlines():
+                log.info("[train] %s", line)
+        if self.device.type == "cpu" and self.dist.local_rank != 0:
+            return
+        free, measured = free_device_memory(self.device)
+        warning = check_memory(self.memory_plan, free, measured, self.cfg.memory_margin_fraction,
+                               self.cfg.on_insufficient_memory)
+        if warning:
+            log.warning("[train] %s (on_insufficient_memory: warn)", warning.splitlines()[0])
 
     def _device(self) -> torch.device:
         want = self.cfg.device
@@ -257,7 +280,8 @@ class Trainer:
         plan = BatchPlan(self.train_bins, cfg.seed, cfg.batch_size, cfg.grad_accum_steps, self.dist.world,
                          self.dist.rank)
         self._loader = StepLoader(self.store, plan, self._steps(), cfg.max_seq_len, cfg.ttt_steps,
-                                  self.draft_cfg.vocab_size, cfg.loader_workers, pin_memory=self.device.type == "cuda")
+                                  self.draft_cfg.vocab_size, cfg.loader_workers, pin_memory=self.device.type == "cuda",
+                                  dequant_dtype=self.dequant_dtype, dequantize=self.dequant_in_loader)
         batches_of = iter(self._loader)
         self._last_save = time.monotonic()
         while self.epoch < cfg.epochs and not stopped:
@@ -368,7 +392,7 @@ class Trainer:
             if (bad := verify_bins(self.store, bins or self.val_bins[:1])) is not None:
                 raise TrainError(bad.message)
             batch = collate(self.store, bins or self.val_bins[:1], cfg.max_seq_len, cfg.ttt_steps,
-                            self.draft_cfg.vocab_size)
+                            self.draft_cfg.vocab_size, self.dequant_dtype, self.dequant_in_loader)
             _, s = self.ttt(batch.to(self.device), one)
             if bins:
                 stats += s

@@ -1,0 +1,253 @@
+"""Training memory plan: the bytes one training process holds on its device at its peak, before anything is built.
+
+Pipeline position: store + vocab -> **memory plan** (``Trainer.setup``, before the draft is allocated) -> train.
+Like the capacity plan of extraction: every figure is computed from the draft's shape (``DraftConfig``) and the
+batch settings (``TrainConfig``), itemized, logged, and compared with the device's free memory (CUDA:
+``torch.cuda.mem_get_info``; CPU: psutil's available RAM, shared by all ranks of the host) with a margin; a plan that
+does not fit refuses to start (``on_insufficient_memory: fail``) or warns.
+
+What is counted, per training process (one per GPU), for a micro-batch of B = batch_size / (nproc * grad_accum)
+packed rows padded to T = max_seq_len tokens (N = B * T), draft vocab D, K TTT steps, hidden H, MLP width I, heads
+nh / KV heads nkv of head_dim hd; c = compute bytes (2: bf16 autocast on CUDA, 4: float32 on CPU); a = 4 (float32)::
+
+    parameters     trainable (fc, midlayer, norm, lm_head) + frozen embedding (vocab x H), float32; buffers
+                   d2t / t2d; the teacher head (final norm + D lm_head rows, float32)
+    gradients      trainable, float32; DDP (nproc > 1) keeps a bucket copy of them (gradient_as_bucket_view off)
+    AdamW          exp_avg + exp_avg_sq, float32 (2 x trainable), and one trainable-sized temporary in step()
+    FSDP           parameters, gradients and AdamW states / nproc, plus the unsharded parameters gathered for
+                   compute (all groups at once, worst case) and one group's unsharded gradients before reduce-scatter
+    activations    what autograd keeps until backward, per TTT step k (context S_k = (k + 1) T):
+                     RMSNorms: input_layernorm a N H; hidden_norm, post_attention_layernorm, norm (inputs that need
+                       grad): (a + c) N H each on CUDA (a float32 copy of the input + the normed output cast back),
+                       2 a N H each on CPU (the input itself + the normed output)
+                     q/k/v input [N, 2H]: 3 c N 2H on CUDA (autocast casts it once per projection), a N 2H on CPU
+                     q after RoPE and the attention output (o_proj reads a view of it): 2 c N nh hd; RoPE cos/sin
+                     K/V: the step's k, v (in the cache) 2 c N nkv hd; from step 1 on, SDPA keeps the concatenation
+                       of all steps' keys and values 2 c B S_k nkv hd (repeated to nh heads for GQA, every step)
+                     attention mask, as SDPA converts it to an additive one: c B T S_k; log-sum-exp a B nh T
+                     MLP: gate/up inputs (2 c N H on CUDA, a N H on CPU) + gate, silu, up, product 4 c N I
+                     lm_head input c N H; log-softmax of the draft logits a B (T - 1 - k) D
+                   plus fc's input (CUDA: the bf16 cast of the aux states, c N n_aux H_t; CPU: a float32 copy of a
+                   bf16 batch), autocast's bf16 copies of
+                   the trainable matmul weights (CUDA), the teacher probabilities and log-probabilities a N D x 2
+                   (alive through the unroll), and the last step's transients (its logits c N D + the KL product
+                   a N D). The peak is at the end of the forward's last step (the backward frees more than it adds).
+    batch          the micro-batch on the device: aux [N, n_aux H_t] + final [N, H] in the batch dtype, ids/masks;
+                   on CPU the whole optimizer step's micro-batches plus the loader's prefetch (2 steps per thread)
+
+    peak = parameters + buffers + teacher head + AdamW states + gradients (+ DDP buckets)
+           + max(activations + batch, AdamW step temporary)
+
+Not counted: the CUDA context and allocator slack (the margin covers them), the Python/torch runtime of each process
+(~0.3 GB RSS per training process on CPU), validation (no autograd: smaller than training).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from eagle3.draft.model import DraftConfig
+from eagle3.train.config import TrainConfig, TrainError
+
+log = logging.getLogger("eagle3")
+
+F32 = 4  # bytes: master weights, gradients, AdamW states, norms' statistics, softmaxes
+
+
+class TrainMemoryError(TrainError):
+    """The training memory plan does not fit the device; the message gives the itemized numbers."""
+
+
+class MemoryItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    bytes: int
+    detail: str
+
+
+class MemoryPlan(BaseModel):
+    """Bytes per training process (one per GPU) at its peak, itemized. All sizes in bytes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: Literal["cpu", "cuda"]
+    parallel: str = Field(description="'single', 'ddp' or 'fsdp'")
+    processes: int = Field(description="training processes (nproc); on CPU they share the host's RAM")
+    micro_batch_rows: int = Field(description="packed rows per micro-batch per process")
+    tokens_per_micro_batch: int = Field(description="micro_batch_rows x max_seq_len (rows padded to max_seq_len)")
+    ttt_steps: int
+    trainable_parameters: int = Field(description="count, not bytes")
+    frozen_parameters: int = Field(description="count, not bytes (the verifier's embedding)")
+    items: list[MemoryItem] = Field(description="the pieces of the peak, in bytes")
+    static_bytes: int = Field(description="parameters, buffers, teacher head, gradients, optimizer states")
+    activation_bytes: int = Field(description="autograd-saved tensors + teacher buffers + last-step transients")
+    activations: dict[str, int] = Field(description="activation_bytes by kind, bytes")
+    batch_bytes: int = Field(description="input batches resident with the activations")
+    optimizer_step_bytes: int = Field(description="AdamW's temporary during step() (activations are freed then)")
+    peak_bytes: int = Field(description="static + max(activations + batch, optimizer step temporary)")
+
+    def summary(self) -> str:
+        lines = [(f"Training memory plan per {'GPU' if self.device == 'cuda' else 'process'} ({self.parallel}, "
+                 f"{self.processes} process(es), {self.device}): micro-batch {self.micro_batch_rows} rows x "
+                 f"{self.tokens_per_micro_batch // max(1, self.micro_batch_rows):,} tokens, {self.ttt_steps} TTT "
+                 f"steps; {self.trainable_parameters / 1e6:,.1f}M trainable + {self.frozen_parameters / 1e6:,.1f}M "
+                 f"frozen parameters")]
+        lines += [f"  {i.name:<28} {_gb(i.bytes):>10}  {i.detail}" for i in self.items]
+        lines.append(f"  {'peak':<28} {_gb(self.peak_bytes):>10}  = static {_gb(self.static_bytes)} + "
+                     f"max(activations {_gb(self.activation_bytes)} + batch {_gb(self.batch_bytes)}, optimizer step "
+                     f"{_gb(self.optimizer_step_bytes)})")
+        return "\n".join(lines)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:,.3f} GB"
+
+
+def parameter_counts(d: DraftConfig) -> tuple[dict[str, int], int]:
+    """(trainable parameter counts by module, frozen embedding count) of ``eagle3.draft.model.Eagle3Draft``."""
+    h, hd, nh, nkv = d.hidden_size, d.head_dim, d.num_attention_heads, d.num_key_value_heads
+    trainable = {
+        "fc": d.n_aux * d.target_hidden_size * h,
+        "attention": 2 * h * hd * (nh + 2 * nkv) + nh * hd * h,  # q, k, v take [e, h_n] (2H); o_proj
+        "mlp": 3 * h * d.intermediate_size,
+        "norms": 4 * h,  # input_layernorm, hidden_norm, post_attention_layernorm, norm
+        "lm_head": d.draft_vocab_size * h,
+    }
+    return trainable, d.vocab_size * h
+
+
+def _step_activations(d: DraftConfig, b: int, t: int, k: int, c: int, cuda: bool) -> dict[str, int]:
+    """Bytes autograd keeps for TTT step ``k`` of a [b, t] micro-batch (see the module docstring)."""
+    n, h, i_ = b * t, d.hidden_size, d.intermediate_size
+    nh, nkv, hd = d.num_attention_heads, d.num_key_value_heads, d.head_dim
+    s = (k + 1) * t  # keys the step attends over: the context (step 0) + its own earlier steps
+    grad_norm = (F32 + c) * n * h if cuda else 2 * F32 * n * h  # one RMSNorm whose input needs grad
+    kv_heads = nh if nkv != nh else nkv  # GQA: SDPA keeps the keys repeated to every query head
+    kv_saved = 2 * c * b * s * kv_heads * hd if (k > 0 or nkv != nh) else 0  # step 0 without GQA: the cache itself
+    # on CPU hidden_norm's input from step 1 on is the previous step's PRE-norm output, already kept by its norm
+    shared = F32 * n * h if (k > 0 and not cuda) else 0
+    return {
+        # input_layernorm (input needs no grad) + 3 with grad inputs, + their rsqrt statistics [N, 1]
+        "norms": F32 * n * h + 3 * grad_norm - shared + 3 * F32 * n,
+        "attention input": (3 * c * n * 2 * h) if cuda else F32 * n * 2 * h,
+        # q after RoPE + SDPA's output (laid out [B, T, heads, hd]: o_proj's input is a view of it) + RoPE cos/sin
+        "attention q/out": 2 * c * n * nh * hd + (4 * c if cuda else 2 * F32) * n * hd,
+        "k/v cache": 2 * c * n * nkv * hd,
+        "k/v concatenated": kv_saved,
+        "attention mask": c * b * t * s + F32 * b * nh * t,  # additive mask + log-sum-exp
+        "mlp": (2 * c * n * h if cuda else F32 * n * h) + 4 * c * n * i_,
+        "lm_head input": c * n * h,
+        "log-softmax": F32 * b * max(0, t - 1 - k) * d.draft_vocab_size,
+    }
+
+
+def plan_training_memory(draft: DraftConfig, cfg: TrainConfig, world: int | None = None,
+                         device: Literal["cpu", "cuda"] | None = None, batch_dtype_bytes: int | None = None,
+                         micro_rows: int | None = None) -> MemoryPlan:
+    """The plan for ``draft`` trained with ``cfg`` by ``world`` processes (default cfg.nproc) on ``device``
+    (default: cfg.device, auto = cuda when available). ``batch_dtype_bytes``: bytes per stored state value in the
+    batches (default: 2 on CUDA, 4 on CPU; a float8 store's states arrive dequantized to the compute dtype);
+    ``micro_rows``: rows per micro-batch (default batch_size / (world * grad_accum_steps))."""
+    world = world or cfg.nproc
+    if device is None:
+        device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+    cuda = device == "cuda"
+    c = 2 if cuda else F32  # bf16 autocast on CUDA, float32 on CPU (eagle3.train.trainer)
+    sb = batch_dtype_bytes or c
+    b = micro_rows or max(1, cfg.batch_size // (world * cfg.grad_accum_steps))
+    t, kk = cfg.max_seq_len, cfg.ttt_steps
+    n, h, dv = b * t, draft.hidden_size, draft.draft_vocab_size
+    parallel = "single" if world == 1 else cfg.parallel
+    counts, frozen = parameter_counts(draft)
+    trainable = sum(counts.values())
+    matmul = trainable - counts["norms"]
+    shard = world if parallel == "fsdp" else 1
+
+    items: list[tuple[str, int, str]] = []
+    params = F32 * (trainable + frozen)
+    items.append(("parameters", math.ceil(params / shard),
+                  f"{trainable / 1e6:,.1f}M trainable + {frozen / 1e6:,.1f}M frozen embedding, float32"
+                  + (f", sharded over {world}" if shard > 1 else "")))
+    buffers = 8 * dv + draft.vocab_size + F32 * (dv * h + h)
+    items.append(("buffers + teacher head", buffers, (f"d2t/t2d + the verifier's final norm and {dv:,} lm_head "
+                  f"rows, float32")))
+    grads = math.ceil(F32 * trainable / shard)
+    items.append(("gradients", grads, "float32" + (f", sharded over {world}" if shard > 1 else "")))
+    if parallel == "ddp":
+        items.append(("DDP gradient buckets", F32 * trainable, "a copy of the gradients for the all-reduce"))
+    items.append(("AdamW states", 2 * grads, "exp_avg + exp_avg_sq, float32"))
+    if parallel == "fsdp":
+        items.append(("FSDP unsharded parameters", params, ("all-gathered for forward/backward (worst case: "
+                      "every group at once)")))
+        items.append(("FSDP unsharded gradients", F32 * max(counts["fc"] + counts["lm_head"],
+                                                            counts["attention"] + counts["mlp"]),
+                      "the largest group's gradients before reduce-scatter"))
+    static = sum(x[1] for x in items)
+
+    steps = [_step_activations(draft, b, t, k, c, cuda) for k in range(kk)]
+    act: dict[str, int] = {key: sum(s[key] for s in steps) for key in steps[0]}
+    # fc's input: CUDA keeps autocast's bf16 cast of it; CPU the float32 batch tensor itself (counted in the batch),
+    # or the float32 copy of a bf16/fp16 batch (aux.float())
+    fc_bytes = c if cuda else (0 if sb == F32 else F32)
+    act["fc input"] = fc_bytes * n * draft.n_aux * draft.target_hidden_size
+    act["context mask"] = b * t * t  # bool, built once
+    if cuda:
+        act["autocast weight copies"] = 2 * matmul
+    act["teacher probabilities"] = 2 * F32 * n * dv + 12 * n  # log-probs + probs [N, D], argmax, entropy
+    act["last-step transients"] = c * n * dv + F32 * n * dv  # its logits + the KL product [N, D]
+    activations = sum(act.values())
+    per_step = sum(steps[-1].values())
+    items.append(("activations", activations,
+                  f"{kk} TTT steps over {n:,} tokens (last step {_gb(per_step)}; K/V "
+                  f"{_gb(act['k/v cache'] + act['k/v concatenated'])}, log-softmaxes {_gb(act['log-softmax'])}), "
+                  f"teacher {_gb(act['teacher probabilities'])}, transients {_gb(act['last-step transients'])}"
+                  + (f", bf16 weight copies {_gb(act['autocast weight copies'])}" if cuda else "")))
+    micro = n * (draft.n_aux * draft.target_hidden_size + h) * sb + n * (8 * 3 + 1)  # states + ids/seq/pos + mask
+    resident = 1 if cuda else cfg.grad_accum_steps * (1 + 2 * cfg.loader_workers)
+    batch = micro * resident
+    items.append(("batches", batch, f"{_gb(micro)} per micro-batch" + (
+        "" if cuda else f" x {resident} (the step's {cfg.grad_accum_steps} + 2 steps prefetched per loader "
+        f"thread, {cfg.loader_workers} threads)")))
+    step_tmp = grads  # AdamW's foreach sqrt(exp_avg_sq) temporary
+    items.append(("AdamW step temporary", step_tmp, "during optimizer.step(), after the activations are freed"))
+    peak = static + max(activations + batch, step_tmp)
+    return MemoryPlan(device=device, parallel=parallel, processes=world, micro_batch_rows=b,
+                      tokens_per_micro_batch=n, ttt_steps=kk, trainable_parameters=trainable,
+                      frozen_parameters=frozen, items=[MemoryItem(name=a, bytes=v, detail=dd) for a, v, dd in items],
+                      static_bytes=static, activation_bytes=activations, activations=act, batch_bytes=batch,
+                      optimizer_step_bytes=step_tmp, peak_bytes=peak)
+
+
+def free_device_memory(device: torch.device) -> tuple[int, str]:
+    """(free bytes, what was measured) where ``device``'s training process allocates: the GPU's free memory, or
+    the host's available RAM (psutil)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free), f"{device} free memory (torch.cuda.mem_get_info; {total / 1e9:,.1f} GB total)"
+    import psutil
+
+    return int(psutil.virtual_memory().available), "host available RAM (psutil)"
+
+
+def check_memory(plan: MemoryPlan, free_bytes: int, measured: str, margin_fraction: float,
+                 on_insufficient: Literal["fail", "warn"]) -> str | None:
+    """None when the plan fits ``free_bytes`` with the margin; else raises ``TrainMemoryError`` (``fail``) or returns
+    the warning (``warn``). On CPU the host's RAM holds every process: the need is the plan x processes."""
+    need_one = math.ceil(plan.peak_bytes * (1 + margin_fraction))
+    need = need_one * (plan.processes if plan.device == "cpu" else 1)
+    if need <= free_bytes:
+        return None
+    who = f" x {plan.processes} processes" if plan.device == "cpu" and plan.processes > 1 else ""
+    message = (f"training would not fit: the memory plan needs {_gb(plan.peak_bytes)} per process{who} "
+               f"({_gb(need)} with the {margin_fraction:.0%} margin, memory_margin_fraction), but {measured} is "
+               f"{_gb(free_bytes)}; lower batch_size (or raise grad_accum_steps), max_seq_len or ttt_steps, or set "
+               f"on_insufficient_memory: warn to try anyway\n{plan.summary()}")
+    if on_insufficient == "fail":
+        raise TrainMemoryError(message)
+    return message
