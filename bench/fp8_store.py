@@ -12,7 +12,8 @@ and validate_draft in real vLLM (.venv-vllm, float32, greedy, num_speculative_to
 prompts. Printed: bytes of each store (sample files) and their ratio (target <= 0.51), the trainer's validation
 figures, vLLM's mean acceptance length (pooled: 1 + accepted / drafts) and per-position acceptance of each draft,
 and fp8 / bf16 (target within 2%). With several ``--seeds`` every seed trains both drafts, so the fp8-bf16 gap can be
-read against the seed-to-seed spread. Needs models/smollm2-135m-instruct (scripts/setup_envs.sh).
+read against the seed-to-seed spread. With ``--work`` a rerun reuses the stage folders an earlier run finished
+(same settings; times then are those of the earlier run's folder, not re-measured). Needs models/smollm2-135m-instruct (scripts/setup_envs.sh).
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ from _extract_common import quiet
 
 from eagle3.extract.stage import extract_hidden_states
 from eagle3.prepare import prepare_data
+from eagle3.support.artifacts import Artifact
 from eagle3.support.gguf_convert import SMOLLM2_DIR
 from eagle3.support.paths import REPO_ROOT
 from eagle3.support.verifier import VerifierSpec
 from eagle3.train.config import TrainConfig
-from eagle3.train.stage import train_draft
+from eagle3.train.stage import DraftCheckpoint, train_draft
 from eagle3.validate.config import ValidateConfig
-from eagle3.validate.stage import validate_draft
+from eagle3.validate.stage import ValidationReport, validate_draft
 from eagle3.vocab import VocabConfig, build_vocab
 
 DTYPES = ("bfloat16", "float8_e4m3fn")
@@ -48,6 +50,28 @@ AUX = [2, 15, 27]  # vLLM convention: residual streams entering layers 2, 15, 27
 
 def store_bytes(store_dir: Path) -> int:
     return sum(f.stat().st_size for f in store_dir.glob("rows_*/*.safetensors"))
+
+
+def reuse(cls: type[Artifact], out_dir: Path, cfg, upstream: Artifact | None = None) -> Artifact | None:
+    """A finished stage folder of an earlier run of this bench with ``--work`` (same settings, same upstream
+    checkpoint, nothing missing or changed): its artifact, so an interrupted bench resumes instead of training and
+    validating again. None = run the stage."""
+    try:
+        art = cls.load(out_dir)
+    except ValueError:
+        return None
+    settings = json.loads((out_dir / "settings.json").read_text()) if (out_dir / "settings.json").is_file() else None
+    if art.problems() or settings != {"cfg": cfg.model_dump(mode="json"),
+                                      "upstream": upstream.fingerprint if upstream else None}:
+        return None
+    print(f"  reusing {out_dir} (finished by an earlier run of this bench)", flush=True)
+    return art
+
+
+def remember(out_dir: Path, cfg, upstream: Artifact | None = None) -> None:
+    """Record what a finished stage folder was run with (``reuse`` compares it)."""
+    (out_dir / "settings.json").write_text(json.dumps({"cfg": cfg.model_dump(mode="json"),
+                                                       "upstream": upstream.fingerprint if upstream else None}))
 
 
 def main() -> None:
@@ -93,10 +117,14 @@ def main() -> None:
             cfg = TrainConfig(epochs=args.epochs, lr=2e-3, schedule="cosine", batch_size=8, ttt_steps=3,
                               max_seq_len=768, val_ratio=0.05, keep_last_n=1, log_every_steps=10, device="cpu",
                               seed=seed)
-            ckpt = train_draft(cfg, store, vocab, work / f"train-{dt}-s{seed}")
+            ckpt = reuse(DraftCheckpoint, work / f"train-{dt}-s{seed}", cfg) or train_draft(
+                cfg, store, vocab, work / f"train-{dt}-s{seed}")
+            remember(work / f"train-{dt}-s{seed}", cfg)
             train_s = time.monotonic() - t
             t = time.monotonic()
-            rep = validate_draft(val_cfg, ckpt, work / f"validate-{dt}-s{seed}")
+            rep = reuse(ValidationReport, work / f"validate-{dt}-s{seed}", val_cfg, ckpt) or validate_draft(
+                val_cfg, ckpt, work / f"validate-{dt}-s{seed}")
+            remember(work / f"validate-{dt}-s{seed}", val_cfg, ckpt)
             rows[dt, seed] = {"bytes": nbytes, "tokens": store.store_tokens, "steps": ckpt.global_step,
                               "tokens_seen": ckpt.tokens_seen, "val": ckpt.final_val,
                               "al": rep.mean_acceptance_length, "pos": rep.per_position_acceptance,

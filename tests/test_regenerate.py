@@ -124,8 +124,7 @@ def test_kill_9_mid_regeneration_then_rerun_gives_every_row_exactly_once(bundled
         from eagle3.prepare import PrepareConfig, PreparedData
         from eagle3.regenerate.config import RegenerateConfig
         from eagle3.regenerate.stage import regenerate
-        from eagle3.support.gpu import device_lock
-from eagle3.support.verifier import describe_verifier
+        from eagle3.support.verifier import describe_verifier
         regenerate(RegenerateConfig.model_validate({_regen_cfg(batch_rows=2).model_dump()!r}),
                    PreparedData.load({prepared.out_dir!r}), PrepareConfig.model_validate({prepare_cfg.model_dump()!r}),
                    describe_verifier({str(bundled_verifier)!r}), {str(out)!r})
