@@ -693,7 +693,7 @@ class HiddenStateStore:
 
     def verify_sample(self, index: int) -> None:
         """Check sample ``index`` against its manifest line (size, sha256, header, shapes) on its first call per
-        store object: the trainer's loader workers each hold one, so every sample is hashed on its first read of a
+        store object: the trainer's loader threads share one, so every sample is hashed on its first read of a
         run, while the model computes. A sample that fails is moved to ``quarantine/`` (never read again, and
         extraction's resume sees it missing and extracts it anew) and CorruptSample names it and what to do."""
         if index in self._verified:
@@ -712,7 +712,7 @@ class HiddenStateStore:
     def quarantine(self, index: int) -> Path | None:
         """Move sample ``index``'s file to ``<store>/quarantine/`` (its manifest line stays, so every reader sees
         the file missing until extraction writes it again). None when the file is already gone (another loader
-        worker moved it) or cannot be moved."""
+        thread or process moved it) or cannot be moved."""
         src = self.path / self.entry(index)["file"]
         dst = self.path / QUARANTINE / f"{src.name}.{time.strftime('%Y%m%d-%H%M%S')}.{os.getpid()}"
         try:

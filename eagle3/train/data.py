@@ -164,7 +164,7 @@ def collate(store: HiddenStateStore, bins: list[list[int]], max_seq_len: int, tt
 @dataclass(frozen=True)
 class DamagedSample:
     """What the loader hands back instead of a step's batches when one of its samples failed verification (the
-    trainer raises it as one TrainError: its own message, not a loader worker's traceback)."""
+    trainer raises it as one TrainError naming the sample)."""
 
     message: str
 
@@ -172,7 +172,7 @@ class DamagedSample:
 def verify_bins(store: HiddenStateStore, bins: list[list[int]]) -> DamagedSample | None:
     """Verify every sample of ``bins`` (rows of sample indices) before any is collated: each is hashed on its first
     read by this store object (``HiddenStateStore.verify_sample``; a damaged one is quarantined), so no step is
-    trained on a damaged sample. In a loader worker the hashing overlaps the model's compute."""
+    trained on a damaged sample. In a loader thread the hashing overlaps the model's compute."""
     for row in bins:
         for i in row:
             try:
