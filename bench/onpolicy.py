@@ -7,13 +7,19 @@ turns, never trained on); the figure is B/A of vLLM's mean acceptance length (ta
 rates, beside the trainer's own simulated acceptance on its validation split (does the offline estimate track the
 real one?). Both pipelines run as one Prefect flow each (ephemeral API), sharing the cached prepare stage.
 
-    .venv/bin/python bench/onpolicy.py [--samples 500] [--epochs 4] [--prompts 32] [--set KEY=VALUE ...]
+Regenerated answers can differ in length from the dataset's, so at equal epochs A and B take different numbers of
+optimizer steps. ``--control`` adds draft A' (dataset answers, epochs raised until A' takes at least B's steps; its
+data, states and vocabulary come from A's cache): if B still beats A', the gain is not a token-budget artifact.
+
+    .venv/bin/python bench/onpolicy.py [--samples 500] [--epochs 4] [--prompts 32] [--control] [--runs-dir DIR]
+                                       [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import tempfile
 import time
@@ -38,6 +44,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=32, help="held-out validation prompts")
     ap.add_argument("--runs-dir", default=None)
+    ap.add_argument("--control", action="store_true", help="also train A for at least B's optimizer steps")
     ap.add_argument("--set", action="append", default=[], help="more overrides for both pipelines")
     args = ap.parse_args()
     runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="eagle3-onpolicy-")
@@ -46,8 +53,10 @@ def main() -> None:
               "validate.speed_repeats": 1, "validate.min_mean_acceptance_length": None, **parse_set(args.set)}
     print(f"runs in {runs_dir}; machine load (1/5/15 min) at start: {_load()}", flush=True)
     rows = {}
-    for label, regenerate in (("A: dataset answers", False), ("B: SmolLM2's own answers", True)):
-        config = load_config("smollm2", {**common, "regenerate.enabled": regenerate, "run_name": "onpolicy"})
+
+    def run(label: str, regenerate: bool, epochs: int) -> None:
+        config = load_config("smollm2", {**common, "regenerate.enabled": regenerate, "train.epochs": epochs,
+                                         "run_name": "onpolicy"})
         t0 = time.perf_counter()
         summary = eagle3_pipeline(config)
         wall = time.perf_counter() - t0
@@ -61,18 +70,31 @@ def main() -> None:
                        "steps": ckpt.global_step, "tokens": ckpt.tokens_seen,
                        "speedup": (report["vllm"].get("speed") or {}).get("speedup")}
         print(f"{label}: {json.dumps(rows[label])} (load {_load()})", flush=True)
-    a, b = rows["A: dataset answers"], rows["B: SmolLM2's own answers"]
-    print(f"\n{'':28}{'A (dataset)':>14}{'B (on-policy)':>16}")
-    print(f"{'vLLM mean acceptance length':28}{a['vllm']:>14.3f}{b['vllm']:>16.3f}")
-    for i, (pa, pb) in enumerate(zip(a["per_position"], b["per_position"])):
-        print(f"{f'  acceptance at position {i + 1}':28}{pa:>14.3f}{pb:>16.3f}")
-    print(f"{'trainer simulated accept':28}{a['sim']:>14.3f}{b['sim']:>16.3f}")
-    print(f"{'trainer chain accept':28}{a['chain']:>14.3f}{b['chain']:>16.3f}")
-    print(f"{'optimizer steps / tokens':28}{a['steps']:>7} {a['tokens']:>6}{b['steps']:>8} {b['tokens']:>7}")
-    print(f"{'decoding speedup (vLLM CPU)':28}{a['speedup'] or 0:>14.3f}{b['speedup'] or 0:>16.3f}")
-    print(f"{'wall (s)':28}{a['wall_s']:>14.0f}{b['wall_s']:>16.0f}")
+
+    run("A (dataset)", False, args.epochs)
+    run("B (on-policy)", True, args.epochs)
+    a, b = rows["A (dataset)"], rows["B (on-policy)"]
+    if args.control:
+        run("A' (B's steps)", False, math.ceil(args.epochs * b["steps"] / a["steps"]))
+    cols = list(rows)
+    print("\n" + f"{'':28}" + "".join(f"{c:>16}" for c in cols))
+
+    def line(name: str, values: list[str]) -> None:
+        print(f"{name:28}" + "".join(f"{v:>16}" for v in values))
+
+    line("vLLM mean acceptance length", [f"{rows[c]['vllm']:.3f}" for c in cols])
+    for i in range(len(a["per_position"])):
+        line(f"  acceptance at position {i + 1}", [f"{rows[c]['per_position'][i]:.3f}" for c in cols])
+    line("trainer simulated accept", [f"{rows[c]['sim']:.3f}" for c in cols])
+    line("trainer chain accept", [f"{rows[c]['chain']:.3f}" for c in cols])
+    line("optimizer steps / tokens", [f"{rows[c]['steps']} / {rows[c]['tokens']}" for c in cols])
+    line("decoding speedup (vLLM CPU)", [f"{rows[c]['speedup'] or 0:.3f}" for c in cols])
+    line("wall (s)", [f"{rows[c]['wall_s']:.0f}" for c in cols])
     print(f"\nB/A vLLM mean acceptance length: {b['vllm'] / a['vllm']:.3f} (target >= 1.10); samples {args.samples}, "
           f"epochs {args.epochs}, {args.prompts} held-out prompts; load at the end {_load()}")
+    if args.control:
+        c = rows["A' (B's steps)"]
+        print(f"B/A' (A trained for {c['steps']} steps, B {b['steps']}): {b['vllm'] / c['vllm']:.3f}")
 
 
 if __name__ == "__main__":
