@@ -9,7 +9,7 @@ data's own responses (no regeneration: both drafts see the same data, which is a
 prepare_data and build_vocab once; then per store dtype (bfloat16, float8_e4m3fn) extract_hidden_states (transformers
 backend, same compute dtype, so both stores quantize the same states), train_draft with the same settings and seed,
 and validate_draft in real vLLM (.venv-vllm, float32, greedy, num_speculative_tokens 3) on the same held-out
-prompts. Printed: bytes of each store (sample files) and their ratio (target <= 0.51), the trainer's validation
+prompts (acceptance only: no timed decodes, speed_repeats 0). Printed: bytes of each store (sample files) and their ratio (target <= 0.51), the trainer's validation
 figures, vLLM's mean acceptance length (pooled: 1 + accepted / drafts) and per-position acceptance of each draft,
 and fp8 / bf16 (target within 2%). With several ``--seeds`` every seed trains both drafts, so the fp8-bf16 gap can be
 read against the seed-to-seed spread. With ``--work`` a rerun reuses the stage folders an earlier run finished
@@ -101,7 +101,7 @@ def main() -> None:
           flush=True)
 
     val_cfg = ValidateConfig(num_prompts=args.prompts, max_new_tokens=args.max_new_tokens, num_speculative_tokens=3,
-                             dtype="float32", require_lossless=False)
+                             dtype="float32", require_lossless=False, speed_repeats=0)
     rows: dict[tuple[str, int], dict] = {}
     for dt in DTYPES:
         t = time.monotonic()
@@ -124,6 +124,9 @@ def main() -> None:
             t = time.monotonic()
             rep = reuse(ValidationReport, work / f"validate-{dt}-s{seed}", val_cfg, ckpt) or validate_draft(
                 val_cfg, ckpt, work / f"validate-{dt}-s{seed}")
+            if rep.mean_acceptance_length is None:  # vLLM did not measure it: say why, keep nothing to reuse
+                raise SystemExit(f"[{dt} seed {seed}] vLLM gave no acceptance figure: {'; '.join(rep.reasons)} "
+                                 f"(report {rep.report_json}, vLLM log {rep.vllm_log})")
             remember(work / f"validate-{dt}-s{seed}", val_cfg, ckpt)
             rows[dt, seed] = {"bytes": nbytes, "tokens": store.store_tokens, "steps": ckpt.global_step,
                               "tokens_seen": ckpt.tokens_seen, "val": ckpt.final_val,
