@@ -457,7 +457,7 @@ def _pinned_check(sec: Section, store_dir: Path, cfg, vocab_size: int) -> None:
     from eagle3.train.data import BatchPlan, StepLoader, pack_samples
 
     if not sec.gpu:
-        sec.cuda_only("pinned-memory DataLoader batches (pin_memory needs CUDA)")
+        sec.cuda_only("pinned-memory loader batches (pin_memory needs CUDA)")
         return
     store = HiddenStateStore(store_dir)
     bins = pack_samples({i: min(store.tokens(i), cfg.max_seq_len) for i in store.indices()}, cfg.max_seq_len)
@@ -582,9 +582,63 @@ def s_launch_fsdp(sec: Section) -> None:
     _launch(sec, "fsdp")
 
 
+def s_fp8(sec: Section) -> None:
+    """The FP8 store on the device: the tiny prepared data extracted again with store_dtype float8_e4m3fn (one
+    scale per token and state); the trainer's CUDA input path keeps batches quantized (float8 + scales, pinned) and
+    ``Batch.to`` dequantizes them on the GPU, equal to the CPU dequantization; then train_draft on the FP8 store
+    (same settings as train_tiny): its losses stay near the bf16 store's (FP8 rounding: ~2% per state)."""
+    import torch
+
+    from eagle3.extract.store import HiddenStateStore
+    from eagle3.train.data import BatchPlan, StepLoader, pack_samples
+
+    z, root = sec.size, sec.work / "tiny"
+    if not _needs(sec, root / "prep", root / "vocab" / "mapping.safetensors", root / f"train-{sec.device}"):
+        return
+    from eagle3.prepare import PreparedData
+
+    prep = PreparedData.load(root / "prep")
+    res, secs, _ = extract(sec, TINY_VERIFIER, Path(prep.dataset_path), root / "store-fp8", z["tiny_budget"], set(),
+                           store_dtype="float8_e4m3fn")
+    bf16_bytes = sum(f.stat().st_size for f in (root / "store").glob("rows_*/*.safetensors"))
+    fp8_bytes = sum(f.stat().st_size for f in (root / "store-fp8").glob("rows_*/*.safetensors"))
+    sec.check(res.store_dtype == "float8_e4m3fn" and res.samples_stored == prep.samples and fp8_bytes < bf16_bytes,
+              f"FP8 store: {res.samples_stored} samples, {fp8_bytes:,} bytes vs bf16 {bf16_bytes:,} "
+              f"(ratio {fp8_bytes / bf16_bytes:.3f})")
+    cfg = _train_cfg(sec, big=False)
+    store = HiddenStateStore(root / "store-fp8")
+    bins = pack_samples({i: min(store.tokens(i), cfg.max_seq_len) for i in store.indices()}, cfg.max_seq_len)
+    plan = BatchPlan(bins, 0, cfg.batch_size, 1, 1, 0)
+    loader = StepLoader(store, plan, [(0, 0)], cfg.max_seq_len, cfg.ttt_steps, 8192, workers=1,
+                        pin_memory=sec.gpu, dequant_dtype=torch.bfloat16, dequantize=False)
+    try:
+        batch = next(iter(loader))[0]
+    finally:
+        loader.close()
+    on_device = batch.to(torch.device(sec.device))
+    cpu = batch.to(torch.device("cpu"))  # the same dequantization on the CPU
+    same = (on_device.aux.cpu().float() - cpu.aux.float()).abs().max().item()
+    sec.check(batch.aux.dtype == torch.float8_e4m3fn and on_device.aux.dtype == torch.bfloat16 and
+              on_device.aux.device.type == sec.device and same <= 2 ** -7 * cpu.aux.float().abs().max().item(),
+              f"batches arrive quantized ({batch.aux.dtype}); Batch.to({sec.device}) dequantizes to "
+              f"{on_device.aux.dtype} on the device, max |device - cpu| {same:.2e}")
+    res_fp8, wall, step_s, tmem = _timed_train(sec, cfg, root / "store-fp8", root / "vocab" / "mapping.safetensors",
+                                               TINY_VERIFIER, root / f"train-fp8-{sec.device}")
+    _check_run(sec, res_fp8, f"{sec.device} run on the FP8 store")
+    a = {(r["event"], r["global_step"]): r["loss"] for r in _metrics(root / f"train-{sec.device}")}
+    b = {(r["event"], r["global_step"]): r["loss"] for r in _metrics(Path(res_fp8.out_dir))}
+    both = sorted(set(a) & set(b))
+    worst = max(abs(b[k] - a[k]) / max(abs(a[k]), 1e-6) for k in both) if both else float("inf")
+    sec.check(len(both) == len(a) and worst <= 0.10,
+              f"FP8-store losses vs the bf16 store's (train_tiny): {len(both)} records, worst relative difference "
+              f"{worst:.2e} (tolerance 0.1)")
+    sec.fig(ratio=f"{fp8_bytes / bf16_bytes:.3f}", extract_s=f"{secs:.1f}", step_ms=f"{step_s * 1e3:.1f}",
+            train_s=f"{wall:.1f}", vs_bf16_rel=f"{worst:.1e}", **tmem)
+
+
 SECTIONS = {"env": s_env, "preflight_locks": s_preflight_locks, "extract_tiny": s_extract_tiny,
             "extract_big": s_extract_big, "train_tiny": s_train_tiny, "train_big": s_train_big,
-            "launch_ddp": s_launch_ddp, "launch_fsdp": s_launch_fsdp}
+            "fp8": s_fp8, "launch_ddp": s_launch_ddp, "launch_fsdp": s_launch_fsdp}
 
 
 # ------------------------------------------------------------------------------------------------ memory plan

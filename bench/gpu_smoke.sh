@@ -18,8 +18,11 @@
 #   train_tiny       train_draft on one GPU (bf16 autocast) on the tiny store; its first 5 steps again in float32 on
 #                    the CPU (same losses within 3%); StepLoader(pin_memory=True) batches are page-locked
 #   train_big        train_draft on the big store: 2048-token packed rows x 4 per step, 7 TTT steps, 2 loader
-#                    workers: step time, tok/s, CUDA peak (max_memory_allocated) vs the training memory plan
+#                    threads: step time, tok/s, CUDA peak (max_memory_allocated) vs the training memory plan
 #                    (eagle3/train/memory.py if present, else "memory plan not available"); pinned vs pageable H2D
+#   fp8              the tiny data extracted again into an FP8 store (float8_e4m3fn + a float32 scale per token and
+#                    state); batches stay quantized (pinned) until Batch.to dequantizes them on the GPU (= the CPU
+#                    dequantization); train_draft on it: losses within 10% of the bf16 store's (train_tiny)
 #   launch_ddp       torch elastic launch (eagle3/train/launch.py) with one nccl worker, parallel=ddp (launch_fsdp:
 #   launch_fsdp      fsdp): the draft is wrapped (DDP / FSDP2 fully_shard) and its losses equal those of the
 #                    single-process run of train_tiny (2e-3 relative)
@@ -55,12 +58,12 @@ MODE=gpu
 if [[ $MODE == gpu ]]; then
   BUDGET_S=${GPU_SMOKE_BUDGET_S:-450}
   PY=${GPU_SMOKE_PYTHON:-python3}
-  LIMITS=(env:60 preflight_locks:60 extract_tiny:90 extract_big:150 train_tiny:120 train_big:120 launch_ddp:90
-          launch_fsdp:90)
+  LIMITS=(env:60 preflight_locks:60 extract_tiny:90 extract_big:150 train_tiny:120 train_big:120 fp8:90
+          launch_ddp:90 launch_fsdp:90)
 else  # 2 shared CPU cores: slower than the GPU at tiny sizes too (imports, spawned workers)
   BUDGET_S=${GPU_SMOKE_BUDGET_S:-1500}
   PY=${GPU_SMOKE_PYTHON:-.venv/bin/python}
-  LIMITS=(env:120 preflight_locks:120 extract_tiny:240 extract_big:240 train_tiny:300 train_big:300
+  LIMITS=(env:120 preflight_locks:120 extract_tiny:240 extract_big:240 train_tiny:300 train_big:300 fp8:300
           launch_ddp:240 launch_fsdp:240)
 fi
 WORK=${GPU_SMOKE_WORK:-$(mktemp -d /tmp/gpu-smoke.XXXXXX)}
