@@ -58,8 +58,7 @@ class ValidateConfig(BaseModel):
         "the same prompts and compare. Needs the verifier to fit in this process: tiny verifiers only.")
     speed_repeats: int = Field(
         3, ge=0, description="Timed decodes of the same prompts with and without the draft (on warm engines) for the "
-        "decoding speedup = output tokens/s with the draft / without, each the fastest repeat (the least disturbed by "
-        "other load); 0 = not measured. Reported, never "
+        "decoding speedup = median output tokens/s with the draft / without; 0 = not measured. Reported, never "
         "gated (on CPU the ratio is noisy, and a draft pays off there only at a high acceptance length).")
     parity_tolerance: float = Field(
         0.10, gt=0, description="Largest relative difference between offline and vLLM mean acceptance length "

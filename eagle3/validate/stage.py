@@ -124,9 +124,8 @@ class ValidationReport(Artifact):
     untrained_mean_acceptance_length: float | None = Field(description="The same for the untrained draft.")
     offline_mean_acceptance_length: float | None = Field(description="The offline reference loop's figure.")
     offline_relative_difference: float | None = Field(description="|offline - vLLM| / vLLM.")
-    decode_speedup: float | None = Field(description="vLLM output tokens/s with the draft / without (the fastest "
-                                         "of speed_repeats decodes of the same prompts each: vllm_check.decode_rate); "
-                                         "reported, not gated.")
+    decode_speedup: float | None = Field(description="vLLM output tokens/s with the draft / without (medians of "
+                                         "speed_repeats decodes of the same prompts); reported, not gated.")
 
     def outputs(self) -> list[str]:
         return [self.report_json, self.report_md]

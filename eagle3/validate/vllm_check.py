@@ -33,6 +33,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -262,14 +263,6 @@ def _generate(args: dict[str, Any], prompts: list[list[int]], draft: str | None)
     return result
 
 
-def decode_rate(repeats: list[float]) -> float:
-    """Output tokens/s of one engine from its timed repeats: the fastest one. The engines with and without the draft
-    run one after the other, so other work on a shared machine slows some repeats of either (seen at load 4 on the
-    tiny verifier: 30-660 tokens/s among 3 repeats); interference only ever slows a run, so the fastest repeat is the
-    least disturbed (timeit's rule), where a median of 3 still follows the load."""
-    return max(repeats)
-
-
 def _free(llm) -> None:
     """Shut the engine down so the next one in this process gets the memory (and, on GPUs, the devices)."""
     engine = getattr(llm, "llm_engine", None)
@@ -299,8 +292,8 @@ def run_check(args: dict[str, Any]) -> dict[str, Any]:
     baseline = _generate(args, prompts, None)
     base_speed = baseline["output_tokens_per_second"]
     for d in drafts:
-        if d["output_tokens_per_second"] and base_speed:
-            d["speedup"] = decode_rate(d["output_tokens_per_second"]) / decode_rate(base_speed)
+        if d["output_tokens_per_second"] and base_speed:  # the decoding speedup: medians of the repeats
+            d["speedup"] = statistics.median(d["output_tokens_per_second"]) / statistics.median(base_speed)
         mismatches = []
         for i, (a, b) in enumerate(zip(d["token_ids"], baseline["token_ids"])):
             j = first_difference(a, b)
