@@ -4,13 +4,17 @@ the middle of a run followed by a rerun giving every row exactly once."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import BUNDLED_DATA, REPO
 
@@ -115,7 +119,7 @@ def test_regenerates_turn_by_turn_names_dropped_rows_and_survives_an_injected_oo
 
 @pytest.mark.slow
 def test_kill_9_mid_regeneration_then_rerun_gives_every_row_exactly_once(bundled_verifier, tmp_path):
-    src = _conversations(tmp_path / "chats.jsonl", 30)
+    src = _conversations(tmp_path / "chats.jsonl", 65)  # 67 rows: far more than the worker can do after the kill
     prepare_cfg, prepared = _prepare(tmp_path, bundled_verifier, src)
     out = tmp_path / "regen"
     code = textwrap.dedent(f"""
@@ -129,29 +133,40 @@ def test_kill_9_mid_regeneration_then_rerun_gives_every_row_exactly_once(bundled
     """)
     victim = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, start_new_session=True,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    groups: set[int] = set()
     try:
         deadline = time.monotonic() + 600
         while len(read_journal(out / JOURNAL)) < 4:  # at least two batches are on disk
             assert victim.poll() is None, victim.stderr.read().decode()[-3000:]
             assert time.monotonic() < deadline
-            time.sleep(0.2)
+            time.sleep(0.05)
+        # freeze vLLM's process group (its guard and the worker) while the pipeline process dies, so that the
+        # worker cannot finish the job in the moment between the journal read above and the kill (a fast machine
+        # did 28 rows in it); then let the guard find its owner gone and kill the group, as after a real kill -9
+        groups = {os.getpgid(p.pid) for p in psutil.Process(victim.pid).children()} - {os.getpgid(victim.pid)}
+        assert groups, "the regenerate stage's vLLM process group was not found"
+        for g in groups:
+            os.killpg(g, signal.SIGSTOP)
     finally:
         victim.kill()  # SIGKILL: the pipeline process dies; its guard takes vLLM's group with it (no-op if it exited)
         victim.wait()
-    # the vLLM worker notices its parent died and exits; until then it holds the host lock (and may journal one
-    # more batch): wait for the lock before counting what is on disk
+        for g in groups:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(g, signal.SIGCONT)
+    # the guard polls for its owner every 0.5 s and kills the group; until then the worker holds the host lock
+    # (and may journal one more batch): wait for the lock before counting what is on disk
     with device_lock(["host-cpu"], None, wait_seconds=120):
         pass
     partial = len(read_journal(out / JOURNAL))
     assert 4 <= partial < prepared.samples, partial
     r = regenerate(_regen_cfg(batch_rows=2), prepared, prepare_cfg, describe_verifier(bundled_verifier), out)
-    assert r.rows_resumed == partial and r.rows_written == prepared.samples == 32
+    assert r.rows_resumed == partial and r.rows_written == prepared.samples == 67
     indices = []
     for line in (out / JOURNAL).read_text().splitlines():
         try:
             indices.append(json.loads(line)["index"])
         except json.JSONDecodeError:
             pass  # a line torn by the kill (its row was redone)
-    assert sorted(indices) == list(range(32))  # no row journaled twice, none missing
+    assert sorted(indices) == list(range(67))  # no row journaled twice, none missing
     rows = [json.loads(x)["source_index"] for x in Path(r.conversations_path).read_text().splitlines()]
-    assert rows == list(range(32))  # every row exactly once, in order
+    assert rows == list(range(67))  # every row exactly once, in order
