@@ -140,25 +140,30 @@ def test_kill_9_mid_regeneration_then_rerun_gives_every_row_exactly_once(bundled
             assert victim.poll() is None, victim.stderr.read().decode()[-3000:]
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        # freeze vLLM's process group (its guard and the worker) while the pipeline process dies, so that the
-        # worker cannot finish the job in the moment between the journal read above and the kill (a fast machine
-        # did 28 rows in it); then let the guard find its owner gone and kill the group, as after a real kill -9
+        # Freeze vLLM's process group (the guard that leads it and the worker) before the pipeline process dies:
+        # otherwise the worker goes on journaling until the guard sees its owner gone (it polls every 0.5 s), and a
+        # fast machine finished the whole job in that moment. Only the guard is woken after the kill, so the
+        # worker dies exactly where it was frozen (maybe inside a journal write), as after a kill -9 at that instant.
         groups = {os.getpgid(p.pid) for p in psutil.Process(victim.pid).children()} - {os.getpgid(victim.pid)}
         assert groups, "the regenerate stage's vLLM process group was not found"
         for g in groups:
             os.killpg(g, signal.SIGSTOP)
     finally:
-        victim.kill()  # SIGKILL: the pipeline process dies; its guard takes vLLM's group with it (no-op if it exited)
+        victim.kill()  # SIGKILL: the pipeline process dies (no-op if it exited)
         victim.wait()
+    try:
+        frozen = len(read_journal(out / JOURNAL))
+        for g in groups:
+            os.kill(g, signal.SIGCONT)  # the guard (the group's leader) finds its owner gone and SIGKILLs the group
+        # until the group is gone the worker holds the host lock: wait for the lock before counting what is on disk
+        with device_lock(["host-cpu"], None, wait_seconds=120):
+            pass
+    finally:
         for g in groups:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(g, signal.SIGCONT)
-    # the guard polls for its owner every 0.5 s and kills the group; until then the worker holds the host lock
-    # (and may journal one more batch): wait for the lock before counting what is on disk
-    with device_lock(["host-cpu"], None, wait_seconds=120):
-        pass
+                os.killpg(g, signal.SIGKILL)  # whatever the guard left behind
     partial = len(read_journal(out / JOURNAL))
-    assert 4 <= partial < prepared.samples, partial
+    assert partial == frozen and 4 <= partial < prepared.samples, (frozen, partial)
     r = regenerate(_regen_cfg(batch_rows=2), prepared, prepare_cfg, describe_verifier(bundled_verifier), out)
     assert r.rows_resumed == partial and r.rows_written == prepared.samples == 67
     indices = []
