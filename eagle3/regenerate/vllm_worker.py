@@ -55,7 +55,12 @@ def _assistant_turns(messages: list[dict]) -> list[int]:
 
 
 def regenerate_batch(llm, tokenizer, rows: list[dict], job: dict, stats: dict) -> list[dict]:
-    """Regenerate every assistant turn of ``rows`` ({"index", "messages"}), turn by turn. Returns journal lines."""
+    """Regenerate every assistant turn of ``rows`` ({"index", "messages"}), turn by turn. Returns journal lines.
+
+    ``stats["tokens_generated"]`` grows only when the whole batch is done: a batch that runs out of memory at a later
+    turn is redone, and the tokens of its discarded turns are not kept. ``stats["generate_seconds"]`` is all the time
+    spent in ``generate``, the discarded attempts' included.
+    """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -99,7 +104,6 @@ def regenerate_batch(llm, tokenizer, rows: list[dict], job: dict, stats: dict) -
             if job["reasoning"] == "strip":
                 text = strip_reasoning(text, job["reasoning_start"], job["reasoning_end"])
             s["tokens"] += len(o.token_ids)
-            stats["tokens_generated"] += len(o.token_ids)
             if not text.strip():
                 s["dropped"] = {"reason": "empty_response", "detail": f"turn {s['done']}: the verifier's answer is "
                                 f"empty{' after stripping its reasoning' if job['reasoning'] == 'strip' else ''}"}
@@ -116,6 +120,7 @@ def regenerate_batch(llm, tokenizer, rows: list[dict], job: dict, stats: dict) -
         else:
             lines.append({"index": index, "messages": s["messages"], "turns": len(s["turns"]),
                           "tokens": s["tokens"], "cut_turns": s["cut"]})
+    stats["tokens_generated"] += sum(s["tokens"] for s in state.values())
     return lines
 
 
