@@ -217,8 +217,9 @@ class BatchPlan:
 
 class _StepBatches:
     """Item (epoch, step) = this process's micro-batches of that optimizer step, collated. Indexed by the step
-    itself, so one loader serves the whole run, resumed runs included. Each item first asks the kernel for the
-    files of the ``lookahead`` steps after it (``HiddenStateStore.prefetch``), so disk reads run ahead of the
+    itself, so one loader serves the whole run, resumed runs included. Each item first asks the kernel for its own
+    files (read first by ``verify_bins``; asked for already unless it is the run's first item) and for those of the
+    ``lookahead`` steps after it (``HiddenStateStore.prefetch``), so disk reads run ahead of the hashing and
     copying."""
 
     def __init__(self, store: HiddenStateStore, plan: BatchPlan, max_seq_len: int, ttt_steps: int, vocab_size: int,
@@ -229,7 +230,7 @@ class _StepBatches:
 
     def __getitem__(self, key: tuple[int, int]) -> list[Batch] | DamagedSample:
         epoch, step = key
-        for ahead in range(1, 1 + self.lookahead):
+        for ahead in range(1 + self.lookahead):
             self.store.prefetch([i for m in self.plan.micro_bins(epoch, step + ahead) for b in m for i in b])
         micro = self.plan.micro_bins(epoch, step)
         if (bad := verify_bins(self.store, [row for bins in micro for row in bins])) is not None:
