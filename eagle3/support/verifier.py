@@ -101,16 +101,26 @@ class VerifierSpec:
         ids = sorted({2, n // 2, n - 3} & set(range(n))) if ids is None else [int(k) for k in ids]
         if not ids:
             raise VerifierError("aux_layer_ids is empty: EAGLE-3 needs at least one auxiliary layer")
-        bad = [k for k in ids if not 0 <= k < n]
-        if bad:
-            raise VerifierError(
-                f"aux_layer_ids {bad} out of range for {self.path} with {n} layers "
-                f"(vLLM convention: id k = residual stream entering layer k, 0 <= k < {n})"
-            )
-        if any(b <= a for a, b in itertools.pairwise(ids)):
-            raise VerifierError(f"aux_layer_ids {ids} must be strictly increasing (vLLM concatenates aux states in "
-                                f"ascending layer order; vLLM convention: id k = residual stream entering layer k)")
+        for _, message in aux_layer_problems(ids, n, "aux_layer_ids"):
+            raise VerifierError(f"{message}; verifier {self.path}")
         return ids
+
+
+def aux_layer_problems(ids: list[int], num_layers: int, name: str) -> list[tuple[str, str]]:
+    """The rule for aux layer ids, in one place: (code, message) per broken part of it, none when ``ids`` (integers,
+    vLLM's convention) suit a verifier of ``num_layers`` decoder layers. ``name`` is the field the message names.
+    Used by the stages (``resolve_aux_layer_ids`` raises the first) and by the vLLM contract check (reports all)."""
+    problems = []
+    bad = [k for k in ids if not 0 <= k < num_layers]
+    if bad:
+        message = (f"{name} {bad} out of range for a verifier with {num_layers} layers (vLLM convention: id k = "
+                   f"residual stream entering layer k, 0 <= k < {num_layers})")
+        problems.append(("aux_ids_out_of_range", message))
+    if any(b <= a for a, b in itertools.pairwise(ids)):
+        message = (f"{name} {ids} must be strictly increasing: vLLM concatenates the aux states in ascending layer "
+                   f"order whatever the order given, so they are stored, trained and served in that order")
+        problems.append(("aux_ids_not_ascending", message))
+    return problems
 
 
 def verifier_fingerprint(path: str | Path) -> str:

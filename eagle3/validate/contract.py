@@ -9,7 +9,6 @@ Layer ids: vLLM's convention, id k = residual stream ENTERING decoder layer k.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import os
@@ -23,7 +22,7 @@ from safetensors import safe_open
 from eagle3.draft.checkpoint import CONFIG, RUN_INFO, WEIGHTS, expected_shapes
 from eagle3.draft.model import ARCHITECTURES, UNSUPPORTED_OPTIONS, DraftConfig, DraftConfigError
 from eagle3.support.dtypes import DTYPES, DTypeError, from_safetensors
-from eagle3.support.verifier import VerifierError, VerifierSpec
+from eagle3.support.verifier import VerifierError, VerifierSpec, aux_layer_problems
 
 REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                  "num_hidden_layers", "vocab_size", "draft_vocab_size", "rms_norm_eps", "max_position_embeddings")
@@ -151,15 +150,8 @@ def _check_config(cfg: dict, spec: VerifierSpec, rep: ContractReport, where: str
                      f"list of integers")
         else:
             n_aux = len(aux)
-            out = [k for k in aux if not 0 <= k < spec.num_hidden_layers]
-            if out:
-                rep.fail("aux_ids_out_of_range", f"{where}: aux layer ids {out} out of range for the verifier's "
-                         f"{spec.num_hidden_layers} layers (vLLM convention: id k = residual stream entering layer "
-                         f"k, 0 <= k < {spec.num_hidden_layers})")
-            if any(b <= a for a, b in itertools.pairwise(aux)):
-                rep.fail("aux_ids_not_ascending", f"{where}: aux layer ids {aux} must be strictly ascending: vLLM "
-                         f"concatenates the aux states in layer order whatever the config order, so fc would read "
-                         f"them in another order than training")
+            for code, message in aux_layer_problems(aux, spec.num_hidden_layers, "eagle_aux_hidden_state_layer_ids"):
+                rep.fail(code, f"{where}: {message}")
     for opt in UNSUPPORTED_OPTIONS:
         if cfg.get(opt) or (isinstance(eagle_cfg, dict) and eagle_cfg.get(opt)):
             rep.fail("unsupported_option", f"{where}: {opt} is set; vLLM would apply it but eagle3.draft.model (training) "
