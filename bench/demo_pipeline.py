@@ -24,6 +24,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from eagle3.config import load_config, parse_set
+from eagle3.validate.report import speed_spread
 from flows.eagle3_pipeline import eagle3_pipeline
 
 
@@ -69,6 +70,8 @@ def main() -> None:
     if speed.get("speedup") is not None:
         print(f"decoding speedup {speed['speedup']:.3f}x (output tok/s with draft {speed['draft_output_tokens_per_second']}"
               f", without {speed['baseline_output_tokens_per_second']})")
+        if (spread := speed_spread(speed)) is not None:
+            print(f"  not reliable: the repeats ranged {spread} (the machine's load changed during the measurement)")
     print(f"machine load at the end (1/5/15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

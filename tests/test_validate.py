@@ -332,6 +332,19 @@ def test_report_without_vllm_has_no_png_and_lists_reasons(tmp_path):
     assert "**FAIL**" in md and "[not_lossless] outputs differ" in md and "not run: the checkpoint failed" in md
 
 
+def test_report_flags_a_speedup_whose_repeats_disagree():
+    """The tiny demo at load 4 printed a 20.7x speedup from repeats of 30-660 tok/s: such a figure is flagged."""
+    rep = _sample_report()
+    rep["vllm"]["speed"] = {"repeats": 3, "speedup": 1.05, "draft_output_tokens_per_second": [100.0, 104.0, 98.0],
+                            "baseline_output_tokens_per_second": [95.0, 97.0, 99.0]}
+    md = render_markdown(rep)
+    assert "speedup **1.050x**" in md and "not reliable" not in md
+    rep["vllm"]["speed"] = {"repeats": 3, "speedup": 20.7, "draft_output_tokens_per_second": [30.0, 620.0, 660.0],
+                            "baseline_output_tokens_per_second": [30.0, 31.0, 29.0]}
+    md = render_markdown(rep)
+    assert "ranged 30-660 tok/s with the draft, 29-31 tok/s without" in md and "not reliable" in md
+
+
 def test_validate_config_rejects_unknown_and_bad_fields():
     with pytest.raises(ValueError):
         ValidateConfig(num_speculative_tokens=0)

@@ -68,6 +68,9 @@ def render_markdown(report: dict[str, Any]) -> str:
                          f"draft vs {med(sp['baseline_output_tokens_per_second']):.1f} without (medians of "
                          f"{sp['repeats']} repeats): speedup **{sp['speedup']:.3f}x** (reported, not gated; on CPU a "
                          f"draft pays off only at a high acceptance length)")
+            if (spread := speed_spread(sp)) is not None:
+                lines.append(f"- the repeats ranged {spread}: the machine's load changed during the measurement "
+                             f"(the engines run one after the other), so the speedup above is not reliable")
         if off:
             lines.append(f"- offline vs vLLM mean acceptance length: "
                          f"{_fmt(report['offline'].get('relative_difference'))} relative difference")
@@ -75,6 +78,20 @@ def render_markdown(report: dict[str, Any]) -> str:
     elif v:
         lines += ["## Speculative decoding", "", f"not run: {v.get('skipped') or v.get('error', '')[:2000]}", ""]
     return "\n".join(lines)
+
+
+NOISY_SPREAD = 1.5  # fastest / slowest repeat of one engine above which the decoding speedup is flagged unreliable
+
+
+def speed_spread(speed: dict[str, Any]) -> str | None:
+    """The repeats' ranges ("a-b tok/s with the draft, c-d without") when an engine's fastest repeat is more than
+    ``NOISY_SPREAD`` times its slowest, else None. Both engines decode the same prompts greedily, so on a quiet
+    machine their repeats agree to a few percent."""
+    runs = {"with the draft": speed.get("draft_output_tokens_per_second") or [],
+            "without": speed.get("baseline_output_tokens_per_second") or []}
+    if not any(min(r) > 0 and max(r) / min(r) > NOISY_SPREAD for r in runs.values() if r):
+        return None
+    return ", ".join(f"{min(r):.0f}-{max(r):.0f} tok/s {who}" for who, r in runs.items() if r)
 
 
 def write_report(out_dir: str | os.PathLike, report: dict[str, Any]) -> dict[str, str]:
