@@ -54,6 +54,13 @@ def _prepare(tmp_path: Path, bundled_verifier: Path, src: Path) -> tuple[Prepare
     return cfg, prepare_data(cfg, tmp_path / "prepared")
 
 
+def _status(process: psutil.Process) -> str:
+    try:
+        return process.status()
+    except psutil.NoSuchProcess:
+        return psutil.STATUS_DEAD
+
+
 def _regen_cfg(**kw) -> RegenerateConfig:
     return RegenerateConfig(**{"enabled": True, "max_new_tokens": 16, "batch_rows": 4, "max_model_len": 512,
                                "log_every_seconds": 0, **kw})
@@ -148,6 +155,11 @@ def test_kill_9_mid_regeneration_then_rerun_gives_every_row_exactly_once(bundled
         assert groups, "the regenerate stage's vLLM process group was not found"
         for g in groups:
             os.killpg(g, signal.SIGSTOP)
+        members = [m for g in groups for m in [psutil.Process(g), *psutil.Process(g).children(recursive=True)]]
+        stopped = (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+        while not all(_status(m) in stopped for m in members):  # a signal lands when its process next runs
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
     finally:
         victim.kill()  # SIGKILL: the pipeline process dies (no-op if it exited)
         victim.wait()
@@ -155,7 +167,7 @@ def test_kill_9_mid_regeneration_then_rerun_gives_every_row_exactly_once(bundled
         frozen = len(read_journal(out / JOURNAL))
         for g in groups:
             os.kill(g, signal.SIGCONT)  # the guard (the group's leader) finds its owner gone and SIGKILLs the group
-        # until the group is gone the worker holds the host lock: wait for the lock before counting what is on disk
+        # until the group is gone its guard holds the host lock: wait for the lock before counting what is on disk
         with device_lock(["host-cpu"], None, wait_seconds=120):
             pass
     finally:

@@ -170,6 +170,7 @@ CORPUS = [
     ("aux_out_of_range", _set_aux([1, 2, 4], [1, 2, 4]), None, ["aux_ids_out_of_range"], ["[4]", "vLLM convention"]),
     ("aux_not_ascending", _set_aux([3, 2, 1], [3, 2, 1]), None, ["aux_ids_not_ascending"], ["ascending"]),
     ("aux_not_list", _set_aux("1,2,3", "1,2,3"), None, ["aux_ids_invalid"], ["list of integers"]),
+    ("aux_empty", _set_aux([], []), None, ["aux_ids_empty"], ["at least one auxiliary layer"]),
     ("use_aux_false", lambda c: c["eagle_config"].update(use_aux_hidden_state=False), None,
      ["use_aux_hidden_state_false"], ["use_aux_hidden_state"]),
     ("norm_before_fc", _eagle_opt("norm_before_fc"), None, ["unsupported_option"], ["norm_before_fc"]),

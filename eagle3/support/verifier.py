@@ -4,8 +4,9 @@
   model is a DeepseekV3 model under the ``language_model.`` prefix).
 * ``verifier_fingerprint`` is THE recipe of a verifier's content identity (cache keys, the store's ``store.json``,
   training's store check); ``describe_verifier`` wraps it with the path as a ``VerifierIdentity``.
-* ``resolve_aux_layer_ids`` is THE rule for aux layers (vLLM's default when unset, range and order checks): capacity
-  planning, extraction and the draft config all call it.
+* ``aux_layer_problems`` is THE rule for aux layer ids (not empty, in range, ascending); ``resolve_aux_layer_ids``
+  adds vLLM's default when unset and raises the rule's first problem: capacity planning, extraction and the draft
+  config all call it, and the vLLM contract check reports the rule's problems of a checkpoint's config.
 * ``teacher_logits`` is THE teacher head (final RMSNorm + lm_head rows on the stored pre-norm final state).
 * ``find_tensor_names`` / ``load_verifier_head`` open only the safetensors shards that hold the embedding, the
   final norm and ``lm_head`` (through ``model.safetensors.index.json``), matching names by suffix so nested
@@ -99,8 +100,6 @@ class VerifierSpec:
         """
         n = self.num_hidden_layers
         ids = sorted({2, n // 2, n - 3} & set(range(n))) if ids is None else [int(k) for k in ids]
-        if not ids:
-            raise VerifierError("aux_layer_ids is empty: EAGLE-3 needs at least one auxiliary layer")
         for _, message in aux_layer_problems(ids, n, "aux_layer_ids"):
             raise VerifierError(f"{message}; verifier {self.path}")
         return ids
@@ -110,6 +109,8 @@ def aux_layer_problems(ids: list[int], num_layers: int, name: str) -> list[tuple
     """The rule for aux layer ids, in one place: (code, message) per broken part of it, none when ``ids`` (integers,
     vLLM's convention) suit a verifier of ``num_layers`` decoder layers. ``name`` is the field the message names.
     Used by the stages (``resolve_aux_layer_ids`` raises the first) and by the vLLM contract check (reports all)."""
+    if not ids:
+        return [("aux_ids_empty", f"{name} is empty: EAGLE-3 needs at least one auxiliary layer")]
     problems = []
     bad = [k for k in ids if not 0 <= k < num_layers]
     if bad:

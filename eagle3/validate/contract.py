@@ -145,11 +145,11 @@ def _check_config(cfg: dict, spec: VerifierSpec, rep: ContractReport, where: str
                  f"feed the final state instead of fc(aux states)")
     n_aux = None
     if aux is not None:
-        if not isinstance(aux, list) or not aux or not all(_is_int(k) for k in aux):
-            rep.fail("aux_ids_invalid", f"{where}: eagle_aux_hidden_state_layer_ids {aux!r} must be a non-empty "
-                     f"list of integers")
+        if not isinstance(aux, list) or not all(_is_int(k) for k in aux):
+            rep.fail("aux_ids_invalid", f"{where}: eagle_aux_hidden_state_layer_ids {aux!r} must be a list of "
+                     f"integers")
         else:
-            n_aux = len(aux)
+            n_aux = len(aux) or None
             for code, message in aux_layer_problems(aux, spec.num_hidden_layers, "eagle_aux_hidden_state_layer_ids"):
                 rep.fail(code, f"{where}: {message}")
     for opt in UNSUPPORTED_OPTIONS:
