@@ -24,6 +24,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from eagle3.config import load_config, parse_set
+from eagle3.support.subproc import start_reaper
 from eagle3.validate.report import speed_spread
 from flows.eagle3_pipeline import eagle3_pipeline
 
@@ -47,6 +48,7 @@ def main() -> None:
     runs_dir = tempfile.mkdtemp(prefix="eagle3-bench-")
     config = load_config(args.preset, {"runs_dir": runs_dir, **parse_set(args.set)})
     print(f"preset {args.preset}; machine load (1/5/15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    start_reaper()  # a kill -9 of this process must not leave Prefect's temporary API server running
     results = []
     for label in ("cold", "cached"):
         t = time.perf_counter()

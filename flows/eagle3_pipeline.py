@@ -44,6 +44,7 @@ from eagle3.config import (
 from eagle3.draft.checkpoint import WEIGHTS
 from eagle3.support.io import sha256_file, sha256_json
 from eagle3.support.paths import resolve_path
+from eagle3.support.subproc import start_reaper
 from tasks import artifacts
 from tasks.capacity import plan_capacity_task
 from tasks.common import (
@@ -209,6 +210,7 @@ class PipelineCLI(BaseSettings):
             config = load_config(self.preset, parse_set(self.set))
         except ConfigError as e:
             raise SystemExit(f"{e}") from None
+        start_reaper()  # a kill -9 of this process must not leave Prefect's temporary API server running
         try:
             result = eagle3_pipeline(config)
         except (DraftValidationFailed, CheckpointModified) as e:  # the run ends Failed; never printed as ready

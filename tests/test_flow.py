@@ -153,6 +153,44 @@ def test_cli_runs_through_pydantic_settings(capsys):
         main(["--set", 'data.sources=["a.jsonl","b.jsonl"]', "--set=train.epochs=2", "--set", "data.nope=1,2"])
 
 
+@pytest.mark.slow
+def test_cli_killed_hard_leaves_no_temporary_prefect_server(tmp_path):
+    """`python -m flows.eagle3_pipeline` without PREFECT_API_URL starts Prefect's temporary API server (uvicorn) as
+    its child; after a kill -9 of the flow process (no atexit runs) the reaper ends that server."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    flow = subprocess.Popen([sys.executable, "-m", "flows.eagle3_pipeline", "--preset", "tiny", "--set",
+                             f"runs_dir={tmp_path / 'runs'}"], cwd=REPO, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    server = None
+    try:
+        deadline = time.monotonic() + 240
+        while server is None:
+            assert flow.poll() is None, flow.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "no temporary Prefect server was started"
+            server = next((c for c in psutil.Process(flow.pid).children(recursive=True)
+                           if "uvicorn" in " ".join(c.cmdline())), None)
+            time.sleep(0.2)
+        time.sleep(2.5)  # the reaper polls the flow process's children every second
+        os.kill(flow.pid, signal.SIGKILL)
+        flow.wait(30)
+        assert psutil.wait_procs([server], timeout=20)[1] == [], "the temporary server outlived the killed flow"
+    finally:
+        if flow.poll() is None:
+            flow.kill()
+            flow.wait()
+        if server is not None and server.is_running():
+            server.kill()
+
+
 def test_cli_set_values_are_taken_verbatim():
     from eagle3.config import parse_set
     from flows.eagle3_pipeline import split_set_args

@@ -3,6 +3,7 @@ stray background workers). Real processes: `sh` and `python` trees that write th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -155,6 +156,41 @@ def test_background_process_left_behind_is_killed(tmp_path):
     assert res.returncode == 0
     (pid,) = _wait_pids(pidfile, 1)
     assert pid in res.killed_pids and _gone([pid])
+
+
+def test_reaper_ends_the_children_a_killed_owner_leaves(tmp_path):
+    """kill -9 of a process that started the reaper: its direct children (one that ignores SIGTERM and is SIGKILLed
+    after the grace period, as uvicorn might not stop) end too, and the reaper exits after them."""
+    pidfile = tmp_path / "pids"
+    owner_code = f"""
+        import os, subprocess, sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from eagle3.support.subproc import start_reaper
+        reaper = start_reaper(poll_s=0.2, grace_s=1.0)
+        polite = subprocess.Popen(["sleep", "300"])
+        stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                                     "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); "
+                                     "time.sleep(300)"], stdout=subprocess.PIPE)
+        stubborn.stdout.readline()  # its SIGTERM handler is in place
+        open({str(pidfile)!r} + ".tmp", "w").write(f"{{reaper.pid}} {{polite.pid}} {{stubborn.pid}}")
+        os.rename({str(pidfile)!r} + ".tmp", {str(pidfile)!r})
+        time.sleep(300)
+    """
+    owner = subprocess.Popen([sys.executable, "-c", textwrap.dedent(owner_code)])
+    try:
+        reaper, *children = _wait_pids(pidfile, 3)
+        time.sleep(0.6)  # the reaper has polled the owner's children since they started
+        assert all(_alive(p) for p in [reaper, *children])
+        owner.kill()
+        owner.wait(10)
+        assert _gone(children, timeout=15), [p for p in children if _alive(p)]
+        assert _gone([reaper], timeout=5)
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+        for pid in _wait_pids(pidfile, 3, timeout=0.1) if pidfile.exists() else []:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
 
 
 # ---------------------------------------------------------------- vLLM's output: log file + filter

@@ -84,6 +84,57 @@ sys.exit(rc if rc >= 0 else 128 - rc)
 """.replace("POLL_S", repr(_GUARD_POLL_S))
 
 
+# The reaper (``start_reaper``): a watcher of OUR process that, once we are gone, ends the direct children we left.
+# argv: <owner pid> <poll seconds> <grace seconds>. It runs with our interpreter (psutil is there).
+_REAPER_SOURCE = r"""
+import os, signal, sys, time
+import psutil
+owner_pid, poll_s, grace_s = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the owner's to handle; we act once it is gone
+try:
+    owner = psutil.Process(owner_pid)
+except psutil.Error:
+    sys.exit(0)
+def owner_alive():
+    try:  # a SIGKILLed owner is a zombie until its parent reaps it
+        return owner.is_running() and owner.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+known = {}
+while owner_alive():
+    try:
+        for child in owner.children():
+            if child.pid != os.getpid():
+                known[child.pid] = child
+    except psutil.Error:
+        pass
+    time.sleep(poll_s)
+left = [c for c in known.values() if c.is_running()]  # is_running compares start times: a reused pid is not ours
+for c in left:
+    try:
+        c.terminate()
+    except psutil.Error:
+        pass
+_, alive = psutil.wait_procs(left, timeout=grace_s)
+for c in alive:
+    try:
+        c.kill()
+    except psutil.Error:
+        pass
+"""
+
+
+def start_reaper(poll_s: float = 1.0, grace_s: float = 5.0) -> subprocess.Popen:
+    """Start a watcher (its own session, stdlib + psutil) that SIGTERMs, then after ``grace_s`` SIGKILLs, the
+    direct children this process leaves behind when it ends, however it ends: a kill -9 or the OOM killer runs no
+    ``finally`` or ``atexit``. For a local flow run that is Prefect's temporary API server (a uvicorn process that
+    would otherwise live on, holding its port and SQLite file); stages' subprocesses have their own guard
+    (``popen_guarded``) and need none. Children are seen by polling every ``poll_s`` seconds, so one started
+    less than that before the end may be missed. Returns the watcher (it exits on its own after us)."""
+    cmd = [sys.executable, "-c", _REAPER_SOURCE, str(os.getpid()), repr(poll_s), repr(grace_s)]
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+
+
 class VllmOutputFilter:
     """Which lines of a vLLM subprocess's output are worth the flow's logs; the rest stay in the log file.
 
