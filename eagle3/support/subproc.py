@@ -132,7 +132,9 @@ def start_reaper(poll_s: float = 1.0, grace_s: float = 5.0) -> subprocess.Popen:
     (``popen_guarded``) and need none. Children are seen by polling every ``poll_s`` seconds, so one started
     less than that before the end may be missed. Returns the watcher (it exits on its own after us)."""
     cmd = [sys.executable, "-c", _REAPER_SOURCE, str(os.getpid()), repr(poll_s), repr(grace_s)]
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+    # no stdio of ours: a pipe read to its end by whoever started us must not wait for the watcher too
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
 
 
 class VllmOutputFilter:
