@@ -86,8 +86,8 @@ NOISY_SPREAD = 2.0  # fastest / slowest repeat of one engine above which the dec
 
 def speed_spread(speed: dict[str, Any]) -> str | None:
     """The repeats' ranges ("a-b tok/s with the draft, c-d without") when an engine's fastest repeat is more than
-    ``NOISY_SPREAD`` times its slowest (or its slowest measured nothing), else None. Both engines decode the same
-    prompts greedily, so on a quiet machine their repeats agree to a few percent."""
+    ``NOISY_SPREAD`` times its slowest (or its slowest measured nothing), else None. Each engine decodes the same
+    prompts greedily in every repeat, so a wider spread than a quiet machine's comes from the load changing."""
     runs = {"with the draft": speed.get("draft_output_tokens_per_second") or [],
             "without": speed.get("baseline_output_tokens_per_second") or []}
     if not any(min(r) <= 0 or max(r) / min(r) > NOISY_SPREAD for r in runs.values() if r):
