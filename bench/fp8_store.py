@@ -9,11 +9,12 @@ data's own responses (no regeneration: both drafts see the same data, which is a
 prepare_data and build_vocab once; then per store dtype (bfloat16, float8_e4m3fn) extract_hidden_states (transformers
 backend, same compute dtype, so both stores quantize the same states), train_draft with the same settings and seed,
 and validate_draft in real vLLM (.venv-vllm, float32, greedy, num_speculative_tokens 3) on the same held-out
-prompts (acceptance only: no timed decodes, speed_repeats 0). Printed: bytes of each store (sample files) and their ratio (target <= 0.51), the trainer's validation
-figures, vLLM's mean acceptance length (pooled: 1 + accepted / drafts) and per-position acceptance of each draft,
-and fp8 / bf16 (target within 2%). With several ``--seeds`` every seed trains both drafts, so the fp8-bf16 gap can be
-read against the seed-to-seed spread. With ``--work`` a rerun reuses the stage folders an earlier run finished
-(same settings; times then are those of the earlier run's folder, not re-measured). Needs models/smollm2-135m-instruct (scripts/setup_envs.sh).
+prompts (acceptance only: no timed decodes, speed_repeats 0). Printed: bytes of each store (sample files) and their
+ratio (target <= 0.51), the trainer's validation figures, vLLM's mean acceptance length (pooled: 1 + accepted /
+drafts) and per-position acceptance of each draft, and fp8 / bf16 (target within 2%). With several ``--seeds`` every
+seed trains both drafts, so the fp8-bf16 gap can be read against the seed-to-seed spread. With ``--work`` a rerun
+reuses the stage folders an earlier run finished (same settings; times then are those of the earlier run's folder,
+not re-measured). Needs models/smollm2-135m-instruct (scripts/setup_envs.sh).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _extract_common import quiet
 
 from eagle3.extract.stage import extract_hidden_states
+from eagle3.extract.store import sample_files
 from eagle3.prepare import prepare_data
 from eagle3.support.artifacts import Artifact
 from eagle3.support.gguf_convert import SMOLLM2_DIR
@@ -49,7 +51,7 @@ AUX = [2, 15, 27]  # vLLM convention: residual streams entering layers 2, 15, 27
 
 
 def store_bytes(store_dir: Path) -> int:
-    return sum(f.stat().st_size for f in store_dir.glob("rows_*/*.safetensors"))
+    return sum(f.stat().st_size for f in sample_files(store_dir))
 
 
 def reuse(cls: type[Artifact], out_dir: Path, cfg, upstream: Artifact | None = None) -> Artifact | None:

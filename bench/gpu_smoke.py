@@ -589,7 +589,7 @@ def s_fp8(sec: Section) -> None:
     (same settings as train_tiny): its losses stay near the bf16 store's (FP8 rounding: ~2% per state)."""
     import torch
 
-    from eagle3.extract.store import HiddenStateStore
+    from eagle3.extract.store import HiddenStateStore, sample_files
     from eagle3.train.data import BatchPlan, StepLoader, pack_samples
 
     z, root = sec.size, sec.work / "tiny"
@@ -600,8 +600,8 @@ def s_fp8(sec: Section) -> None:
     prep = PreparedData.load(root / "prep")
     res, secs, _ = extract(sec, TINY_VERIFIER, Path(prep.dataset_path), root / "store-fp8", z["tiny_budget"], set(),
                            store_dtype="float8_e4m3fn")
-    bf16_bytes = sum(f.stat().st_size for f in (root / "store").glob("rows_*/*.safetensors"))
-    fp8_bytes = sum(f.stat().st_size for f in (root / "store-fp8").glob("rows_*/*.safetensors"))
+    bf16_bytes = sum(f.stat().st_size for f in sample_files(root / "store"))
+    fp8_bytes = sum(f.stat().st_size for f in sample_files(root / "store-fp8"))
     sec.check(res.store_dtype == "float8_e4m3fn" and res.samples_stored == prep.samples and fp8_bytes < bf16_bytes,
               f"FP8 store: {res.samples_stored} samples, {fp8_bytes:,} bytes vs bf16 {bf16_bytes:,} "
               f"(ratio {fp8_bytes / bf16_bytes:.3f})")

@@ -15,14 +15,14 @@ Per store, side by side in this run:
   disk      sequential read of every sample file in file order (64 MiB reads into one buffer), cache dropped first:
             bytes/s, and as tokens/s = bytes/s / the store's bytes per token (the physical limit of any loader)
   loader    two epochs of the trainer's own input pipeline in a fresh process (the first hashes every sample on its
-            first read, as a training run's first epoch does; the second reads verified samples, as later epochs do), exactly as ``Trainer.train`` builds
-            it: ``BatchPlan`` (seeded permutation of the packed rows, ``--rows-per-step`` rows per optimizer step,
-            1 process) + ``StepLoader`` (``--workers`` loader threads, 2 steps in flight per thread)
-            over ``collate`` (memory-mapped reads, WILLNEED-prefetched), cache dropped first; FP8 both ways the
-            trainer runs it: ``dequant on device`` (its CUDA path: the loader delivers float8 + scales, Batch.to
-            dequantizes on the GPU) and ``dequant on loader`` (its CPU path: the loader threads dequantize, here to
-            bf16, Kimi's compute dtype); the consumer only counts tokens. Tokens/s steady (from the first batch on)
-            and over the whole epoch; peak RSS of the process (ru_maxrss).
+            first read, as a training run's first epoch does; the second reads verified samples, as later epochs
+            do), exactly as ``Trainer.train`` builds it: ``BatchPlan`` (seeded permutation of the packed rows,
+            ``--rows-per-step`` rows per optimizer step, 1 process) + ``StepLoader`` (``--workers`` loader threads,
+            2 steps in flight per thread) over ``collate`` (memory-mapped reads, WILLNEED-prefetched), cache dropped
+            first; FP8 both ways the trainer runs it: ``dequant on device`` (its CUDA path: the loader delivers
+            float8 + scales, Batch.to dequantizes on the GPU) and ``dequant on loader`` (its CPU path: the loader
+            threads dequantize, here to bf16, Kimi's compute dtype); the consumer only counts tokens. Tokens/s
+            steady (from the first batch on) and over the whole epoch; peak RSS of the process (ru_maxrss).
 The disk read is repeated after the loader runs of each store (the virtual disk's rate drifts with the host's own
 cache); loader / disk uses the mean of the two reads, both are printed.
 Printed: loader / disk (target >= 0.8), loader / 12,000 tokens/s (the original run's pace: 6 steps/s of ~2k-token
@@ -52,10 +52,6 @@ PACE_TOKENS_PER_S = 12_000  # the original run: 6 optimizer steps/s of ~2k-token
 READ_CHUNK = 64 << 20
 
 
-def sample_files(store: Path) -> list[Path]:
-    return sorted(store.glob("rows_*/sample_*.safetensors"))
-
-
 def drop_cache(files: list[Path]) -> None:
     """Evict the files' pages from the page cache (clean pages: the store's writer fsyncs every file)."""
     for f in files:
@@ -64,6 +60,12 @@ def drop_cache(files: list[Path]) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def sample_files(store: Path) -> list[Path]:
+    from eagle3.extract.store import sample_files as store_sample_files  # torch is imported where it is needed
+
+    return store_sample_files(store)
 
 
 def read_all(files: list[Path]) -> tuple[int, float]:
@@ -119,7 +121,11 @@ def loader_child(ns: argparse.Namespace) -> None:
     lengths = {i: min(store.tokens(i), ROW_TOKENS) for i in store.indices()}
     rows = pack_samples(lengths, ROW_TOKENS)
     steps_per_epoch = len(rows) // ns.rows_per_step
+    if not steps_per_epoch:
+        raise SystemExit(f"store {ns.store}: {len(rows)} packed rows, fewer than --rows-per-step "
+                         f"{ns.rows_per_step}: a larger --sizes-gb is needed")
     plan = BatchPlan(rows, 0, ns.rows_per_step, 1, 1, 0)
+
     def epoch(e: int) -> dict:
         loader = StepLoader(store, plan, [(e, s) for s in range(steps_per_epoch)], ROW_TOKENS, 7, VOCAB,
                             ns.workers, pin_memory=False, dequant_dtype=torch.bfloat16,
@@ -135,7 +141,8 @@ def loader_child(ns: argparse.Namespace) -> None:
         end = time.perf_counter()
         loader.close()
         return {"tokens": tokens, "steps": steps, "seconds": end - t0, "first_batch_s": first - t0,
-                "steady_tokens_per_s": (tokens - first_tokens) / (end - first) if steps > 1 else None,
+                # after the first batch (its wait is the pipeline's start-up); a one-step epoch: the whole epoch
+                "steady_tokens_per_s": (tokens - first_tokens) / (end - first) if steps > 1 else tokens / (end - t0),
                 "batch_dtype": str(batches[0].aux.dtype)}
 
     # epoch 0 hashes every sample on its first read (HiddenStateStore.verify_sample, as in a training run's first
@@ -227,8 +234,9 @@ def main() -> None:
                           f"loader {w} thread(s): {tps:,.0f} tok/s steady over {r['steps']} steps "
                           f"({r['tokens'] / r['seconds']:,.0f} tok/s from the start, first batch after "
                           f"{r['first_batch_s']:.1f} s) -> loader/disk {tps / disk_tps:.2f}, loader/12k "
-                          f"{tps / PACE_TOKENS_PER_S:.2f} | later epochs (verified) {r['later_epoch_tokens_per_s']:,.0f} "
-                          f"tok/s -> loader/disk {r['later_epoch_tokens_per_s'] / disk_tps:.2f} | peak RSS {r['maxrss'] / 1e9:.2f} GB "
+                          f"{tps / PACE_TOKENS_PER_S:.2f} | later epochs (verified) "
+                          f"{r['later_epoch_tokens_per_s']:,.0f} tok/s -> loader/disk "
+                          f"{r['later_epoch_tokens_per_s'] / disk_tps:.2f} | peak RSS {r['maxrss'] / 1e9:.2f} GB "
                           f"({r['batch_dtype']} batches)", flush=True)
         print("\n== summary (steady tokens/s; first epoch = every sample hashed on its first read, later = verified; "
               "targets: loader/disk >= 0.8, and the 12k tokens/s pace) ==")

@@ -18,6 +18,7 @@ from eagle3.extract.store import (
     dequantize_states,
     init_store,
     quantize_states,
+    sample_files,
     sample_relpath,
     serialize_sample,
     write_sample,
@@ -169,7 +170,7 @@ def test_training_on_a_float8_store_matches_the_float32_store(tiny_llama_verifie
                                     store_dtype=dt)
         runs[dt] = train_draft(TrainConfig(**TINY, epochs=1, val_ratio=0.2), store, mapping, tmp_path / dt / "train",
                                verifier=tiny_llama_verifier)
-        nbytes[dt] = sum(f.stat().st_size for f in store.glob("rows_*/*.safetensors"))
+        nbytes[dt] = sum(f.stat().st_size for f in sample_files(store))
     a, b = runs["float32"], runs["float8_e4m3fn"]
     assert nbytes["float8_e4m3fn"] == sum(sum(store_file_bytes(len(r), 3, 64, "float8_e4m3fn")) for r in ids)
     assert nbytes["float32"] == sum(sum(store_file_bytes(len(r), 3, 64, "float32")) for r in ids)

@@ -97,6 +97,12 @@ def sample_relpath(index: int, group_size: int) -> str:
     return f"{group_dir_name(index, group_size)}/sample_{index:09d}.safetensors"
 
 
+def sample_files(store_dir: str | os.PathLike) -> list[Path]:
+    """Every finished sample file of a store, in file order (``sample_relpath``'s layout; temp files start with a
+    dot and end in ``TMP_SUFFIX``, quarantined ones lie in ``QUARANTINE``: neither is listed)."""
+    return sorted(Path(store_dir).glob("rows_*/sample_*.safetensors"))
+
+
 def _verifier_fingerprint(verifier: str | os.PathLike) -> str:
     from eagle3.support.verifier import verifier_fingerprint  # the one recipe (imported late: pydantic)
 
