@@ -599,11 +599,20 @@ def train_tiny_llama(tokenizer, train_docs: Sequence[list[int]], settings: Train
     import torch
     from transformers import LlamaForCausalLM
 
+    torch.manual_seed(settings.seed)
+    return train_causal_lm(LlamaForCausalLM(model_config(tokenizer)).float(), train_docs, settings, log)
+
+
+def train_causal_lm(model, train_docs: Sequence[list[int]], settings: TrainSettings, log=print):
+    """Train a freshly initialised transformers causal LM on packed documents (next-token loss on every token, AdamW,
+    warmup + cosine); returns (model in eval mode, history dict). The bundled verifiers (tiny Llama, kimi-mini) share
+    this loop."""
+    import torch
+
     torch.set_num_threads(settings.threads)
     torch.manual_seed(settings.seed)
-    model = LlamaForCausalLM(model_config(tokenizer)).float()
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and p.requires_grad]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 and p.requires_grad]
     optim = torch.optim.AdamW(
         [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=settings.lr,

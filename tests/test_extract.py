@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from eagle3.extract import hf_backend
 from eagle3.extract.stage import ExtractError, extract_hidden_states
 from eagle3.extract.store import MANIFEST, HiddenStateStore, StoreError
+from eagle3.support.dtypes import resolve_compute_dtype, torch_dtype
 from eagle3.support.gpu import OutOfMemoryAfterRetries, is_oom_error
 from eagle3.support.verifier import VerifierError, load_verifier_head
 
@@ -88,16 +89,29 @@ def test_bundled_verifier_teacher_logits_exact(bundled_verifier, tmp_path):
     # the checkpoint is bf16: compute and store in fp32 so the rebuilt logits can match to 1e-4
     extract_hidden_states(_cfg(bundled_verifier, tmp_path, dtype="float32"), ds, tmp_path / "store")
     _check_exact(bundled_verifier, tmp_path / "store", HiddenStateStore(tmp_path / "store").aux_layer_ids, [0, 1, 2])
-    # default dtype "auto" = the checkpoint's bf16: states equal an HF bf16 forward of the same sample
+    # default dtype "auto": what the dtype rule picks on THIS machine (bf16 on a CPU with native bf16 matmul, else
+    # float32: the test asks the rule, it does not assume the answer); states equal an HF forward in that dtype
+    want = resolve_compute_dtype("auto", "bfloat16", "cpu")
     extract_hidden_states(_cfg(bundled_verifier, tmp_path, store_dtype="model", max_samples_per_batch=1), ds,
-                          tmp_path / "bf16")
-    store = HiddenStateStore(tmp_path / "bf16")
-    assert store.meta["dtype"] == "bfloat16"
-    ref = AutoModelForCausalLM.from_pretrained(str(bundled_verifier)).eval()  # bf16, as shipped
+                          tmp_path / "auto")
+    store = HiddenStateStore(tmp_path / "auto")
+    assert store.meta["dtype"] == want
+    ref = AutoModelForCausalLM.from_pretrained(str(bundled_verifier), dtype=torch_dtype(want)).eval()
     t = store.load(1)
     with torch.no_grad():
         hs = ref(t["input_ids"][None], output_hidden_states=True).hidden_states
     torch.testing.assert_close(t["aux_hidden_states"][:, 256:512], hs[store.aux_layer_ids[1]][0])
+
+
+def test_auto_dtype_follows_the_rule_on_either_kind_of_cpu(bundled_verifier, tmp_path, monkeypatch):
+    """Both answers of the rule, whichever CPU runs the suite: with and without native bf16 matmul."""
+    from eagle3.support import dtypes
+
+    ds = make_dataset(tmp_path / "ds", [12], 8192, seed=3)
+    for native, want in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(dtypes, "cpu_has_native_bf16", lambda native=native: native)
+        extract_hidden_states(_cfg(bundled_verifier, tmp_path, store_dtype="model"), ds, tmp_path / want)
+        assert HiddenStateStore(tmp_path / want).meta["dtype"] == want
 
 
 def test_batching_invariance(tiny_llama_verifier, tmp_path):

@@ -51,10 +51,7 @@ def load_hf_model(
     if device_map is not None:
         kwargs["device_map"] = device_map
     if spec.nested:
-        model_type = spec.text_config.get("model_type")
-        if not model_type:
-            raise VerifierError(f"{spec.path}/config.json: text_config has no model_type")
-        cfg = AutoConfig.for_model(**spec.text_config)
+        cfg = AutoConfig.for_model(**spec.transformers_text_config())
         prefix = _prefix(spec)
         kwargs["config"] = cfg
         if prefix:

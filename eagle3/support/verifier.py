@@ -36,6 +36,12 @@ _IDENTITY_FILES = ("config.json", "generation_config.json", "model.safetensors.i
 _TOKENIZER_GLOBS = ("tokenizer*", "*.jinja", "special_tokens*", "chat_template*", "*.tiktoken", "*.model")
 
 
+# text-model types that checkpoints name but transformers does not register: Kimi-K2 / K2.5 ship their DeepseekV3
+# language model as "kimi_k2" (transformers' own Kimi_K25Config and vLLM's config registry map it the same way)
+TEXT_MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
+MLA_KEY = "kv_lora_rank"  # a text config with it is a DeepSeek-style multi-head latent attention model
+
+
 class VerifierError(ValueError):
     """A verifier path, config or weight file is not usable; the message names the file."""
 
@@ -90,6 +96,19 @@ class VerifierSpec:
             text_config=text,
             nested="text_config" in cfg,
         )
+
+    @property
+    def mla(self) -> bool:
+        """True for a multi-head latent attention language model (DeepseekV3, Kimi-K2 / K2.5)."""
+        return MLA_KEY in self.text_config
+
+    def transformers_text_config(self) -> dict:
+        """The language model's config as transformers' ``AutoConfig.for_model`` takes it (model-type aliases
+        resolved: Kimi's "kimi_k2" is transformers' "deepseek_v3")."""
+        model_type = self.text_config.get("model_type")
+        if not model_type:
+            raise VerifierError(f"{self.path}/config.json: the language model's config has no model_type")
+        return {**self.text_config, "model_type": TEXT_MODEL_TYPE_ALIASES.get(model_type, model_type)}
 
     def resolve_aux_layer_ids(self, ids: list[int] | None) -> list[int]:
         """Aux layer ids in vLLM's convention (id k = residual stream ENTERING decoder layer k), defaulted and checked.
