@@ -655,7 +655,7 @@ def _memory_plan(sec: Section, cfg, store_dir: Path, vocab: Path, verifier: Path
         sec.say("memory plan not available (eagle3/train/memory.py is not in this checkout)")
         sec.fig(plan="n/a")
         return
-    from eagle3.draft.model import DraftConfig
+    from eagle3.draft.config import DraftConfig
     from eagle3.extract.store import HiddenStateStore
     from eagle3.support.verifier import VerifierSpec
     from eagle3.vocab import load_mapping

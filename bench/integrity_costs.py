@@ -101,7 +101,8 @@ def first_read_hash(tmp: Path, tokens: int, hidden: int) -> float:
 
 
 def _kimi_trainable() -> int:
-    from eagle3.draft.model import DraftConfig, Eagle3Draft
+    from eagle3.draft.config import DraftConfig
+    from eagle3.draft.model import Eagle3Draft
 
     cfg = DraftConfig(hidden_size=7168, target_hidden_size=7168, intermediate_size=18432, num_attention_heads=64,
                       num_key_value_heads=64, head_dim=128, vocab_size=163840, draft_vocab_size=32000,
@@ -114,7 +115,8 @@ def _kimi_trainable() -> int:
 
 def state_save(tmp: Path, hidden: int) -> None:
     from eagle3.draft import checkpoint as ckpt
-    from eagle3.draft.model import DraftConfig, Eagle3Draft
+    from eagle3.draft.config import DraftConfig
+    from eagle3.draft.model import Eagle3Draft
 
     rates = []
     for name, h, vocab, draft_vocab in (("tiny preset", 64, 8192, 2048), (f"hidden {hidden}", hidden, 32000, 8192)):

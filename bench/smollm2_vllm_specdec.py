@@ -36,7 +36,8 @@ def build_untrained_draft(out: Path) -> Path:
     from transformers import AutoTokenizer
 
     from eagle3.draft.checkpoint import save_draft
-    from eagle3.draft.model import DraftConfig, Eagle3Draft
+    from eagle3.draft.config import DraftConfig
+    from eagle3.draft.model import Eagle3Draft
     from eagle3.support.gguf_convert import SMOLLM2_DIR
     from eagle3.support.verifier import VerifierSpec
     from eagle3.vocab import build_vocab_mapping

@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _extract_common import quiet, save_dataset, save_llama
 
-from eagle3.draft.model import DraftConfig
+from eagle3.draft.config import DraftConfig
 from eagle3.extract.stage import extract_hidden_states
 from eagle3.extract.store import HiddenStateStore
 from eagle3.support.verifier import VerifierSpec

@@ -60,7 +60,7 @@ def child(ns: argparse.Namespace) -> None:
 
     import psutil
 
-    from eagle3.draft.model import DraftConfig
+    from eagle3.draft.config import DraftConfig
     from eagle3.extract.store import HiddenStateStore
     from eagle3.support.gguf_convert import SMOLLM2_DIR
     from eagle3.support.verifier import VerifierSpec
@@ -93,7 +93,7 @@ def child(ns: argparse.Namespace) -> None:
 
 def kimi_plans() -> None:
     from eagle3.config import load_config
-    from eagle3.draft.model import DraftConfig
+    from eagle3.draft.config import DraftConfig
     from eagle3.support.verifier import VerifierSpec
     from eagle3.train.memory import plan_training_memory
 

@@ -32,12 +32,13 @@ from typing import ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from eagle3.draft.config import DraftArchitecture, serving_pair_problem
 from eagle3.extract.config import ExtractConfig
 from eagle3.extract.store import SAMPLE_METADATA, TOKEN_TENSORS, is_scaled, sample_tensors
 from eagle3.prepare import PreparedData, load_prepared
 from eagle3.regenerate.config import RegenerateConfig
 from eagle3.support.artifacts import Artifact, file_problem
-from eagle3.support.dtypes import dtype, from_safetensors
+from eagle3.support.dtypes import device_type, dtype, from_safetensors
 from eagle3.support.io import atomic_write_json, sha256_file, sha256_json
 from eagle3.support.progress import fmt_duration
 from eagle3.support.verifier import VerifierIdentity, VerifierSpec
@@ -389,14 +390,18 @@ class CapacityPlan(Artifact):
 
 def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: VerifierIdentity, prepared: PreparedData,
                   dest: str | os.PathLike, out_dir: str | Path,
-                  regenerate: RegenerateConfig | None = None) -> CapacityPlan:
+                  regenerate: RegenerateConfig | None = None, draft: DraftArchitecture | None = None) -> CapacityPlan:
     """The capacity stage: resolve the store's layout with the rules extraction uses (aux layers, compute and store
-    dtypes), plan it at ``dest`` and write ``<out_dir>/plan.json``. Raises CapacityError when it would not fit.
+    dtypes), plan it at ``dest`` and write ``<out_dir>/plan.json``. Raises CapacityError when it would not fit, and
+    when vLLM on this host could not serve the ``draft`` kind beside this verifier (before anything is regenerated,
+    extracted or trained: ``eagle3.draft.config.serving_pair_problem``).
 
     With ``regenerate`` enabled the answers are not known yet: the store is planned for the upper bound (every
     assistant turn at max_new_tokens, each conversation cut at max_seq_len), and the time adds the regeneration
     estimate (a verifier load + the generated tokens at generation_tokens_per_second)."""
     spec = verifier.spec()
+    if draft is not None and (problem := serving_pair_problem(spec.mla, draft.kind, device_type("auto"))):
+        raise CapacityError(problem)
     aux = spec.resolve_aux_layer_ids(extract.aux_layer_ids)
     compute, store = extract.resolved_dtypes(spec)
     lengths: str | np.ndarray = prepared.dataset_path

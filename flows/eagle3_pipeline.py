@@ -115,7 +115,7 @@ def _front(config: PipelineConfig, s: dict, regenerated_only_if_cached: bool = F
     prepared = run_stage(s["prepare-data"], cfg=prepare, sources=sources, tokenizer=tokenizer, run_dir=config.run_dir)
     regen_cfg = config.regenerate_config()
     plan = run_stage(s["plan-capacity"], cfg=config.capacity, extract=config.extract_config(), verifier=verifier,
-                     prepared=prepared, regenerate=regen_cfg, run_dir=config.run_dir)
+                     prepared=prepared, regenerate=regen_cfg, draft=config.train.draft, run_dir=config.run_dir)
     if regen_cfg.enabled:
         regenerated = run_stage(s["regenerate"], cfg=regen_cfg, prepare=prepare, verifier=verifier,
                                 prepared=prepared, run_dir=config.run_dir, host=config.host,

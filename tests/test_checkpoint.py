@@ -12,7 +12,8 @@ from conftest import vocab_tables
 from safetensors import safe_open
 
 from eagle3.draft import checkpoint as ckpt
-from eagle3.draft.model import DraftConfig, Eagle3Draft
+from eagle3.draft.config import DraftConfig
+from eagle3.draft.model import Eagle3Draft
 from eagle3.support.paths import REPO_ROOT, vllm_python, vllm_subprocess_env
 from eagle3.support.verifier import VerifierSpec
 

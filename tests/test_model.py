@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import vocab_tables
 
-from eagle3.draft.model import DraftArchitecture, DraftConfig, DraftConfigError, Eagle3Draft
+from eagle3.draft.config import DraftArchitecture, DraftConfig, DraftConfigError
+from eagle3.draft.model import Eagle3Draft
 from eagle3.support.verifier import VerifierSpec, load_verifier_head
 
 _mapping = vocab_tables
@@ -141,7 +142,9 @@ def test_config_maps_onto_flat_vllm_config(tiny_llama_verifier):
     flat = cfg.to_vllm_config()
     assert flat["architectures"] == ["LlamaForCausalLMEagle3"] and flat["num_hidden_layers"] == 1
     assert flat["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
-    assert flat["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 2, 3], "use_aux_hidden_state": True}
+    assert flat["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 2, 3], "use_aux_hidden_state": True,
+                                    "norm_before_fc": False}
+    assert (flat["norm_before_residual"], flat["fc_norm"], flat["norm_output"]) == (False, False, False)
     assert flat["vocab_size"] == 8192 and flat["draft_vocab_size"] == 300 and flat["target_hidden_size"] == 64
     assert DraftConfig.from_vllm_config(flat) == cfg
     # transformers reads the same geometry from it (vLLM builds its hf_config with transformers)
@@ -169,15 +172,15 @@ def test_bad_draft_configs_name_the_field(tiny_llama_verifier):
     with pytest.raises(DraftConfigError, match="num_key_value_heads"):
         DraftConfig.build(spec, 100, [1, 2, 3], DraftArchitecture(num_attention_heads=4, num_key_value_heads=3))
     flat = DraftConfig.build(spec, 100, [1, 2, 3]).to_vllm_config()
-    with pytest.raises(DraftConfigError, match="norm_before_fc"):
-        DraftConfig.from_vllm_config({**flat, "norm_before_fc": True})
+    with pytest.raises(DraftConfigError, match="use_parallel_drafting"):
+        DraftConfig.from_vllm_config({**flat, "use_parallel_drafting": True})
     with pytest.raises(DraftConfigError, match="eagle_aux_hidden_state_layer_ids"):
         DraftConfig.from_vllm_config({k: v for k, v in flat.items() if k not in ("eagle_config",
                                                                              "eagle_aux_hidden_state_layer_ids")})
 
 
 def test_vllm_config_with_missing_or_mistyped_fields_is_one_clear_error():
-    from eagle3.draft.model import DraftConfig, DraftConfigError
+    from eagle3.draft.config import DraftConfig, DraftConfigError
 
     good = {"architectures": ["LlamaForCausalLMEagle3"], "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
             "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 100,

@@ -13,7 +13,8 @@ import pytest
 import torch
 from conftest import vocab_tables
 
-from eagle3.draft.model import DraftConfig, Eagle3Draft
+from eagle3.draft.config import DraftConfig
+from eagle3.draft.model import Eagle3Draft
 from eagle3.support.verifier import VerifierSpec
 from eagle3.validate.specdec import load_verifier, speculative_generate, verifier_pass
 from eagle3.validate.vllm_check import (

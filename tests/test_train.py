@@ -17,6 +17,7 @@ from conftest import REPO
 from safetensors.torch import load_file, save_file
 
 from eagle3.draft import checkpoint as ckpt
+from eagle3.draft.config import DraftArchitecture
 from eagle3.extract.stage import extract_hidden_states
 from eagle3.extract.store import init_store
 from eagle3.support.io import sha256_file
@@ -225,11 +226,20 @@ def test_trains_against_a_kimi_like_sharded_nested_verifier(kimi_like_target, tm
     ids = [torch.randint(0, 1024, (n,), generator=g).tolist() for n in (40, 70, 55, 90, 30, 64, 81, 47)]
     masks = [[0] * 10 + [1] * (len(x) - 10) for x in ids]
     store, vocab = make_store(tmp_path, kimi_like_target, ids, masks, [1, 3, 4], 128, 1024)
-    r = train_draft(TrainConfig(epochs=1, val_ratio=0.25, **TINY), store, vocab, tmp_path / "out", verifier=kimi_like_target)
+    mla = DraftArchitecture(kind="mla")  # the draft kind vLLM serves beside an MLA verifier on every platform
+    r = train_draft(TrainConfig(epochs=1, val_ratio=0.25, draft=mla, **TINY), store, vocab, tmp_path / "out",
+                    verifier=kimi_like_target)
     cfg = json.loads((Path(r.checkpoint_dir) / "config.json").read_text())
     assert (cfg["vocab_size"], cfg["draft_vocab_size"], cfg["eagle_aux_hidden_state_layer_ids"]) == (1024, 128, [1, 3, 4])
+    assert cfg["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and cfg["kv_lora_rank"] == 16
     draft = ckpt.load_draft(r.checkpoint_dir)  # embedding read from the verifier named in eagle3_run.json
-    assert draft.embed_tokens.weight.shape == (1024, 64)
+    assert draft.embed_tokens.weight.shape == (1024, 64) and draft.config.kind == "mla"
+    if not torch.cuda.is_available():  # a llama draft is refused before anything is trained, naming the setting
+        with pytest.raises(TrainError, match=r"cannot serve a llama draft beside an MLA verifier .* set "
+                                             r"train.draft.kind: mla"):
+            train_draft(TrainConfig(epochs=1, val_ratio=0.25, **TINY), store, vocab, tmp_path / "llama",
+                        verifier=kimi_like_target)
+        assert not (tmp_path / "llama").exists()
 
 
 # train-record losses of steps 1-8 (weighted KL over the 3 TTT steps) of the fixed-seed run below, measured on

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from eagle3.draft.model import DraftArchitecture
+from eagle3.draft.config import DraftArchitecture
 from eagle3.extract.stage import extract_hidden_states
 from eagle3.prepare import PrepareConfig, prepare_data
 from eagle3.support.paths import BUNDLED_DATA

@@ -4,39 +4,69 @@ plan: bench/train_memory.py.)"""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
 import torch
 from test_train import TINY, random_store  # noqa: F401 - the module-scoped store fixture
 
-from eagle3.draft.model import DraftArchitecture, DraftConfig, Eagle3Draft
+from eagle3.draft.config import DraftArchitecture, DraftConfig
+from eagle3.draft.model import Eagle3Draft
 from eagle3.support.verifier import VerifierSpec
 from eagle3.train.config import TrainConfig
 from eagle3.train.data import Batch
-from eagle3.train.memory import TrainMemoryError, check_memory, parameter_counts, plan_training_memory
+from eagle3.train.memory import (
+    TrainMemoryError,
+    cache_kept_by_attention,
+    check_memory,
+    parameter_counts,
+    plan_training_memory,
+)
 from eagle3.train.stage import train_draft
 from eagle3.train.ttt import TrainingTimeTest
 
+ARCHS = {  # the draft variants whose plan is checked against the module: GQA and plain llama, MLA with and without
+    # a query latent, the EAGLE 3.1 options
+    "llama-gqa": ("tiny", DraftArchitecture(num_key_value_heads=2)),
+    "llama-mha": ("tiny", DraftArchitecture(num_key_value_heads=4)),
+    "llama-3.1": ("tiny", DraftArchitecture(num_key_value_heads=2, norm_before_fc=True, fc_norm=True,
+                                            norm_output=True)),
+    "mla": ("kimi", DraftArchitecture(kind="mla")),
+    "mla-no-q-latent": ("kimi-no-q", DraftArchitecture(kind="mla", fc_norm=True, norm_output=True)),
+}
 
-@pytest.mark.parametrize("kv_heads", [2, 4])  # GQA (keys repeated for SDPA) and plain multi-head attention
-def test_parameter_counts_equal_the_draft_module(tiny_llama_verifier, kimi_like_target, kv_heads):
-    for verifier, vocab in ((tiny_llama_verifier, 256), (kimi_like_target, 100)):
-        cfg = DraftConfig.build(VerifierSpec.from_path(verifier), vocab, [1, 2, 3],
-                                DraftArchitecture(num_key_value_heads=kv_heads))
-        draft = Eagle3Draft(cfg)
-        trainable, frozen = parameter_counts(cfg)
-        assert sum(trainable.values()) == sum(p.numel() for p in draft.parameters() if p.requires_grad)
-        assert frozen == draft.embed_tokens.weight.numel() == cfg.vocab_size * cfg.hidden_size
+
+@pytest.fixture(scope="module")
+def verifiers(tiny_llama_verifier, kimi_like_target, tmp_path_factory):
+    from conftest import save_kimi_like_target
+
+    no_q = save_kimi_like_target(tmp_path_factory.mktemp("kimi-no-q") / "target")
+    cfg = json.loads((no_q / "config.json").read_text())
+    cfg["text_config"]["q_lora_rank"] = None  # DeepSeek-V2-Lite style: a direct q_proj
+    (no_q / "config.json").write_text(json.dumps(cfg))
+    return {"tiny": tiny_llama_verifier, "kimi": kimi_like_target, "kimi-no-q": no_q}
 
 
-@pytest.mark.parametrize(("rows", "tokens", "steps", "kv_heads"), [(2, 96, 3, 2), (1, 150, 5, 4), (3, 40, 1, 2)])
-def test_activations_are_what_autograd_keeps_on_cpu(tiny_llama_verifier, rows, tokens, steps, kv_heads):
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_parameter_counts_equal_the_draft_module(verifiers, arch):
+    verifier, draft_arch = ARCHS[arch]
+    cfg = DraftConfig.build(VerifierSpec.from_path(verifiers[verifier]), 100, [1, 2, 3], draft_arch)
+    draft = Eagle3Draft(cfg)
+    trainable, frozen = parameter_counts(cfg)
+    assert sum(trainable.values()) == sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    assert frozen == draft.embed_tokens.weight.numel() == cfg.vocab_size * cfg.hidden_size
+
+
+@pytest.mark.parametrize(("rows", "tokens", "steps", "arch"), [
+    (2, 96, 3, "llama-gqa"), (1, 150, 5, "llama-mha"), (3, 40, 1, "llama-gqa"), (2, 64, 3, "llama-3.1"),
+    (2, 96, 3, "mla"), (1, 70, 1, "mla"), (2, 50, 4, "mla-no-q-latent")])
+def test_activations_are_what_autograd_keeps_on_cpu(verifiers, rows, tokens, steps, arch):
     """Every tensor autograd saves in one TTT forward (unique storages, parameters and the batch excluded) against
     the plan's activations less what it counts as alive but not saved (teacher log-probs, the last step's
     transients, the boolean context mask, the per-step K/V that SDPA does not keep)."""
-    cfg = DraftConfig.build(VerifierSpec.from_path(tiny_llama_verifier), 256, [1, 2, 3],
-                            DraftArchitecture(num_key_value_heads=kv_heads))
+    verifier, draft_arch = ARCHS[arch]
+    cfg = DraftConfig.build(VerifierSpec.from_path(verifiers[verifier]), 256, [1, 2, 3], draft_arch)
     torch.manual_seed(0)
     ttt = TrainingTimeTest(Eagle3Draft(cfg), torch.ones(cfg.hidden_size), torch.randn(256, cfg.hidden_size), 1e-5,
                            steps, 0.8)
@@ -58,7 +88,7 @@ def test_activations_are_what_autograd_keeps_on_cpu(tiny_llama_verifier, rows, t
     plan = plan_training_memory(cfg, TrainConfig(batch_size=rows, max_seq_len=tokens, ttt_steps=steps, device="cpu"),
                                 1, "cpu")
     a = plan.activations
-    cache_kept = a["k/v cache"] // steps if kv_heads == cfg.num_attention_heads else 0  # step 0's, without GQA
+    cache_kept = cache_kept_by_attention(cfg, rows, tokens, "cpu")  # step 0's keys/values SDPA keeps itself
     alive_only = (a["last-step transients"] + a["context mask"] + 4 * n * 256 + 12 * n  # teacher log-probs etc.
                   + a["k/v cache"] - cache_kept)
     # equal up to the per-step loss bookkeeping (counted masks [B, T - 1 - k] bool, scalars): well under 0.1%

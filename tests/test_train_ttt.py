@@ -12,7 +12,8 @@ import torch
 from conftest import vocab_tables
 from torch import nn
 
-from eagle3.draft.model import DraftConfig, Eagle3Draft
+from eagle3.draft.config import DraftConfig
+from eagle3.draft.model import Eagle3Draft
 from eagle3.support.verifier import VerifierSpec
 from eagle3.train.config import TrainConfig
 from eagle3.train.data import Batch, pack_samples, packing_efficiency, split_indices

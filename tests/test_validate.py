@@ -15,7 +15,8 @@ from conftest import vocab_tables
 from safetensors.torch import load_file, save_file
 
 from eagle3.draft.checkpoint import save_draft
-from eagle3.draft.model import DraftConfig, Eagle3Draft
+from eagle3.draft.config import DraftArchitecture, DraftConfig
+from eagle3.draft.model import Eagle3Draft
 from eagle3.support.io import sha256_file
 from eagle3.support.verifier import VerifierSpec
 from eagle3.validate.config import ValidateConfig
@@ -173,7 +174,9 @@ CORPUS = [
     ("aux_empty", _set_aux([], []), None, ["aux_ids_empty"], ["at least one auxiliary layer"]),
     ("use_aux_false", lambda c: c["eagle_config"].update(use_aux_hidden_state=False), None,
      ["use_aux_hidden_state_false"], ["use_aux_hidden_state"]),
-    ("norm_before_fc", _eagle_opt("norm_before_fc"), None, ["unsupported_option"], ["norm_before_fc"]),
+    ("norm_before_fc_without_its_norm", _eagle_opt("norm_before_fc"), None, ["tensors_missing"],
+     ["input_norm.weight"]),
+    ("parallel_drafting", _eagle_opt("use_parallel_drafting"), None, ["unsupported_option"], ["use_parallel_drafting"]),
     ("draft_vocab_size", _set("draft_vocab_size", 600), None, ["draft_vocab_size_mismatch"], ["600", "512"]),
     ("draft_vocab_gt_vocab", _set("draft_vocab_size", 9000), None,
      ["draft_vocab_size_too_large", "draft_vocab_size_mismatch"], ["9000"]),
@@ -216,6 +219,30 @@ def test_broken_checkpoint_is_caught_with_its_own_message(case, good, tiny_llama
     for w in words:
         assert w in message, (w, message)
     json.dumps(rep.to_dict())
+
+
+def test_mla_draft_contract(kimi_shaped, tmp_path):
+    """An MLA draft (vLLM's Eagle3DeepseekV3ForCausalLM) passes the contract beside a Kimi-shaped verifier; its own
+    failure modes are named: the deepseek_v3 model type (vLLM turns it into DeepSeek's MTP module), an input norm
+    vLLM's MLA draft does not have, and, on a CPU, a llama draft beside the MLA verifier."""
+    spec = VerifierSpec.from_path(kimi_shaped)
+    cfg = DraftConfig.build(spec, DRAFT_VOCAB, None, DraftArchitecture(kind="mla", fc_norm=True),
+                            torch_dtype="float32")
+    d2t, t2d = vocab_tables(cfg.vocab_size, cfg.draft_vocab_size)
+    draft = Eagle3Draft.from_verifier(cfg, kimi_shaped, d2t, t2d)
+    mla = save_draft(tmp_path / "mla", cfg, draft.state_dict(), {"verifier": str(kimi_shaped)})
+    rep = validate_checkpoint(mla, kimi_shaped)
+    assert rep.ok, rep.failures
+    v3 = rewrite(mla, tmp_path / "v3", lambda c: c.update(model_type="deepseek_v3"))
+    assert validate_checkpoint(v3, kimi_shaped).codes == ["model_type"]
+    assert "MTP" in validate_checkpoint(v3, kimi_shaped).failures[0].message
+    with_norm = rewrite(mla, tmp_path / "norm", _eagle_opt("norm_before_fc"))
+    assert validate_checkpoint(with_norm, kimi_shaped).codes == ["unsupported_option"]
+    llama_cfg = DraftConfig.build(spec, DRAFT_VOCAB, None, torch_dtype="float32")
+    llama = save_draft(tmp_path / "llama", llama_cfg,
+                       Eagle3Draft.from_verifier(llama_cfg, kimi_shaped, d2t, t2d).state_dict(), {})
+    codes = validate_checkpoint(llama, kimi_shaped).codes
+    assert codes == ([] if torch.cuda.is_available() else ["serving_pair_unsupported"])
 
 
 def test_corpus_cases_are_distinct():
@@ -282,9 +309,10 @@ def test_several_failures_are_all_listed(good, tiny_llama_verifier, tmp_path):
 
 
 def test_draft_for_a_kimi_like_nested_verifier(kimi_like_target, tmp_path):
-    """The verifier side is read through its nested text_config (Kimi-K2.5 layout); the draft stays flat."""
+    """The verifier side is read through its nested text_config (Kimi-K2.5 layout); the draft stays flat (an MLA
+    draft: the kind vLLM serves beside an MLA verifier on any platform)."""
     spec = VerifierSpec.from_path(kimi_like_target)
-    cfg = DraftConfig.build(spec, 256, [2, 3, 5], torch_dtype="float32")
+    cfg = DraftConfig.build(spec, 256, [2, 3, 5], DraftArchitecture(kind="mla"), torch_dtype="float32")
     d2t, t2d = vocab_tables(spec.vocab_size, 256)
     draft = Eagle3Draft.from_verifier(cfg, kimi_like_target, d2t, t2d)
     folder = save_draft(tmp_path / "kimi-draft", cfg, draft.state_dict(), {"verifier": str(kimi_like_target)})

@@ -22,7 +22,8 @@ import torch
 from conftest import vocab_tables
 
 from eagle3.draft.checkpoint import load_draft, save_draft
-from eagle3.draft.model import DraftConfig, Eagle3Draft
+from eagle3.draft.config import DraftConfig
+from eagle3.draft.model import Eagle3Draft
 from eagle3.support.paths import vllm_python
 from eagle3.support.subproc import SubprocessFailed
 from eagle3.support.verifier import VerifierSpec

@@ -29,7 +29,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from eagle3.draft.model import DraftConfig, Eagle3Draft
+from eagle3.draft.config import DraftConfig
+from eagle3.draft.model import Eagle3Draft
 from eagle3.support.dtypes import torch_dtype
 from eagle3.support.io import atomic_path, atomic_write_json, save_safetensors
 from eagle3.support.provenance import git_revision, versions

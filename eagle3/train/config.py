@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from eagle3.draft.model import DraftArchitecture
+from eagle3.draft.config import DraftArchitecture
 from eagle3.support.settings import RESUMABLE, RUNTIME
 
 

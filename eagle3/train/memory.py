@@ -25,10 +25,14 @@ nh / KV heads nkv of head_dim hd; c = compute bytes (2: bf16 autocast on CUDA, 4
                      K/V: the step's k, v (in the cache) 2 c N nkv hd; from step 1 on, SDPA keeps the concatenation
                        of all steps' keys and values 2 c B S_k nkv hd (repeated to nh heads for GQA, every step)
                      attention mask, as SDPA converts it to an additive one: c B T S_k; log-sum-exp a B nh T
+                     MLA draft (kind mla): q/kv latents with their RMSNorms (input, normed values, statistics;
+                       the kv latent views the [N, kv_lora_rank + rope] projection), RoPE over the rope part only;
+                       keys are qk_nope + qk_rope wide, values v_head_dim; on a CPU SDPA takes its math path
+                       (keys wider than values): it keeps q and k scaled, the softmax a B nh T S_k and the values
                      MLP: gate/up inputs (2 c N H on CUDA, a N H on CPU) + gate, silu, up, product 4 c N I
                      lm_head input c N H; log-softmax of the draft logits a B (T - 1 - k) D
                    plus fc's input (CUDA: the bf16 cast of the aux states, c N n_aux H_t; CPU: a float32 copy of a
-                   bf16 batch), autocast's bf16 copies of
+                   bf16 batch) and the norms before fc (norm_before_fc / fc_norm), autocast's bf16 copies of
                    the trainable matmul weights (CUDA), the teacher probabilities and log-probabilities a N D x 2
                    (alive through the unroll), and the last step's transients (its logits c N D + the KL product
                    a N D). The peak is at the end of the forward's last step (the backward frees more than it adds).
@@ -51,7 +55,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from eagle3.draft.model import DraftConfig
+from eagle3.draft.config import DraftConfig
 from eagle3.train.config import TrainConfig, TrainError
 
 log = logging.getLogger("eagle3")
@@ -111,12 +115,12 @@ def _gb(n: int) -> str:
 
 def parameter_counts(d: DraftConfig) -> tuple[dict[str, int], int]:
     """(trainable parameter counts by module, frozen embedding count) of ``eagle3.draft.model.Eagle3Draft``."""
-    h, hd, nh, nkv = d.hidden_size, d.head_dim, d.num_attention_heads, d.num_key_value_heads
+    h = d.hidden_size
     trainable = {
         "fc": d.n_aux * d.target_hidden_size * h,
-        "attention": 2 * h * hd * (nh + 2 * nkv) + nh * hd * h,  # q, k, v take [e, h_n] (2H); o_proj
+        "attention": d.attention_params(),  # q/k/v (llama) or the latent projections and norms (mla); o_proj
         "mlp": 3 * h * d.intermediate_size,
-        "norms": 4 * h,  # input_layernorm, hidden_norm, post_attention_layernorm, norm
+        "norms": 4 * h + d.fc_norm_params(),  # input_layernorm, hidden_norm, post_attention_layernorm, norm (+ fc's)
         "lm_head": d.draft_vocab_size * h,
     }
     return trainable, d.vocab_size * h
@@ -125,26 +129,67 @@ def parameter_counts(d: DraftConfig) -> tuple[dict[str, int], int]:
 def _step_activations(d: DraftConfig, b: int, t: int, k: int, c: int, cuda: bool) -> dict[str, int]:
     """Bytes autograd keeps for TTT step ``k`` of a [b, t] micro-batch (see the module docstring)."""
     n, h, i_ = b * t, d.hidden_size, d.intermediate_size
-    nh, nkv, hd = d.num_attention_heads, d.num_key_value_heads, d.head_dim
-    s = (k + 1) * t  # keys the step attends over: the context (step 0) + its own earlier steps
     grad_norm = (F32 + c) * n * h if cuda else 2 * F32 * n * h  # one RMSNorm whose input needs grad
-    kv_heads = nh if nkv != nh else nkv  # GQA: SDPA keeps the keys repeated to every query head
-    kv_saved = 2 * c * b * s * kv_heads * hd if (k > 0 or nkv != nh) else 0  # step 0 without GQA: the cache itself
-    # on CPU hidden_norm's input from step 1 on is the previous step's PRE-norm output, already kept by its norm
+    # on CPU hidden_norm's input from step 1 on is the previous step's output, already kept by its norm
     shared = F32 * n * h if (k > 0 and not cuda) else 0
     return {
         # input_layernorm (input needs no grad) + 3 with grad inputs, + their rsqrt statistics [N, 1]
         "norms": F32 * n * h + 3 * grad_norm - shared + 3 * F32 * n,
-        "attention input": (3 * c * n * 2 * h) if cuda else F32 * n * 2 * h,
-        # q after RoPE + SDPA's output (laid out [B, T, heads, hd]: o_proj's input is a view of it) + RoPE cos/sin
-        "attention q/out": 2 * c * n * nh * hd + (4 * c if cuda else 2 * F32) * n * hd,
-        "k/v cache": 2 * c * n * nkv * hd,
-        "k/v concatenated": kv_saved,
-        "attention mask": c * b * t * s + F32 * b * nh * t,  # additive mask + log-sum-exp
+        **_attention_activations(d, b, t, k, c, cuda),
         "mlp": (2 * c * n * h if cuda else F32 * n * h) + 4 * c * n * i_,
         "lm_head input": c * n * h,
         "log-softmax": F32 * b * max(0, t - 1 - k) * d.draft_vocab_size,
     }
+
+
+def _attention_activations(d: DraftConfig, b: int, t: int, k: int, c: int, cuda: bool) -> dict[str, int]:
+    """The attention's share of ``_step_activations``: its input [N, 2H], q and the output, RoPE tables, this step's
+    keys/values, the concatenation of all steps' (SDPA keeps it from step 1 on), the mask; MLA adds its latent
+    norms (the q and kv latents, each RMSNorm's input, normed output and statistics; the kv latent is a view of the
+    [N, kv_lora_rank + rope] projection, whose whole storage stays)."""
+    n, h, nh = b * t, d.hidden_size, d.num_attention_heads
+    s = (k + 1) * t  # keys the step attends over: the context (step 0) + its own earlier steps
+    qk, vd = d.head_dim, d.value_head_dim
+    if d.kind == "mla":
+        kv_heads, rope = nh, d.qk_rope_head_dim
+        projections = 2  # q_a_proj (or q_proj) and kv_a_proj_with_mqa read the same input
+        q_latent = (F32 + 2 * c if cuda else 3 * F32) * n * d.q_lora_rank + F32 * n if d.q_lora_rank else 0
+        kv_latent = ((F32 + 2 * c) * n * d.kv_lora_rank if cuda else
+                     F32 * n * (d.kv_lora_rank + rope) + 2 * F32 * n * d.kv_lora_rank) + F32 * n
+        latents = {"mla latents": q_latent + kv_latent}
+    else:
+        kv_heads, rope, projections, latents = d.num_key_value_heads, qk, 3, {}
+    out = {
+        "attention input": (projections * c * n * 2 * h) if cuda else F32 * n * 2 * h,  # autocast casts per projection
+        **latents,
+        # q after RoPE + SDPA's output (laid out [B, T, heads, vd]: o_proj's input is a view of it) + RoPE cos/sin
+        "attention q/out": c * n * nh * (qk + vd) + (4 * c if cuda else 2 * F32) * n * rope,
+        "k/v cache": c * n * kv_heads * (qk + vd),
+    }
+    if d.kind == "mla" and not cuda:
+        # keys wider than values: the CPU takes SDPA's math path, which keeps q and k scaled (copies), the softmax
+        # probabilities [B, heads, T, S] and the values (step 0: the cache's; later the concatenation)
+        out["k/v concatenated"] = F32 * b * s * nh * qk + (F32 * b * s * nh * vd if k > 0 else 0)
+        out["attention mask"] = F32 * b * nh * t * s
+        return out
+    repeat = nh if kv_heads != nh else kv_heads  # GQA: SDPA keeps the keys repeated to every query head
+    # step 0 without GQA: SDPA keeps the cache itself
+    out["k/v concatenated"] = c * b * s * repeat * (qk + vd) if (k > 0 or kv_heads != nh) else 0
+    out["attention mask"] = c * b * t * s + F32 * b * nh * t  # additive mask + log-sum-exp
+    return out
+
+
+def cache_kept_by_attention(d: DraftConfig, micro_rows: int, seq_len: int, device: Literal["cpu", "cuda"]) -> int:
+    """Bytes of step 0's keys/values that the attention keeps for backward itself (counted under "k/v cache"):
+    SDPA's fused kernels keep the cache when no GQA repeat is needed; the MLA draft's math path on a CPU keeps the
+    values only (its keys are kept scaled)."""
+    n = micro_rows * seq_len
+    c = 2 if device == "cuda" else F32
+    if d.kind == "mla" and device == "cpu":
+        return F32 * n * d.num_attention_heads * d.value_head_dim
+    if d.num_key_value_heads == d.num_attention_heads:
+        return c * n * d.num_key_value_heads * (d.head_dim + d.value_head_dim)
+    return 0
 
 
 def plan_training_memory(draft: DraftConfig, cfg: TrainConfig, world: int | None = None,
@@ -194,8 +239,15 @@ def plan_training_memory(draft: DraftConfig, cfg: TrainConfig, world: int | None
     act: dict[str, int] = {key: sum(s[key] for s in steps) for key in steps[0]}
     # fc's input: CUDA keeps autocast's bf16 cast of it; CPU the float32 batch tensor itself (counted in the batch),
     # or the float32 copy of a bf16/fp16 batch (aux.float())
-    fc_bytes = c if cuda else (0 if sb == F32 else F32)
-    act["fc input"] = fc_bytes * n * draft.n_aux * draft.target_hidden_size
+    width = draft.n_aux * draft.target_hidden_size  # fc's input
+    norms = int(draft.norm_before_fc) + int(draft.fc_norm)
+    if norms:  # norm_before_fc / fc_norm: the first norm keeps the float32 batch copy, not autocast's cast
+        act["fc input"] = (F32 if (cuda or sb != F32) else 0) * n * width
+        stats = F32 * n * (int(draft.norm_before_fc) + draft.n_aux * int(draft.fc_norm))  # rsqrt per norm
+        # each norm keeps its normed values; each output is kept by the next norm, the last by fc (cast on CUDA)
+        act["fc norms"] = stats + (2 * norms - 1) * F32 * n * width + (c if cuda else F32) * n * width
+    else:
+        act["fc input"] = (c if cuda else (0 if sb == F32 else F32)) * n * width
     act["context mask"] = b * t * t  # bool, built once
     if cuda:
         act["autocast weight copies"] = 2 * matmul

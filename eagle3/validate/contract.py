@@ -20,7 +20,17 @@ import torch
 from safetensors import safe_open
 
 from eagle3.draft.checkpoint import CONFIG, RUN_INFO, WEIGHTS, expected_shapes
-from eagle3.draft.model import ARCHITECTURES, UNSUPPORTED_OPTIONS, DraftConfig, DraftConfigError
+from eagle3.draft.config import (
+    ARCHITECTURES,
+    MLA_WIDTHS,
+    MODEL_TYPES,
+    ROPE_TYPES,
+    UNSUPPORTED_OPTIONS,
+    DraftConfig,
+    DraftConfigError,
+    kind_of_architecture,
+    serving_pair_problem,
+)
 from eagle3.support.dtypes import DTYPES, DTypeError, from_safetensors
 from eagle3.support.verifier import VerifierError, VerifierSpec, aux_layer_problems
 
@@ -76,7 +86,7 @@ def _check_config(cfg: dict, spec: VerifierSpec, rep: ContractReport, where: str
     if nested or ("hidden_size" not in cfg and any(isinstance(v, dict) and "hidden_size" in v for v in cfg.values())):
         key = nested[0] if nested else next(k for k, v in cfg.items() if isinstance(v, dict) and "hidden_size" in v)
         rep.fail("config_nested", f"{where} is nested (the draft's fields are under {key!r}); vLLM's "
-                 f"Eagle3LlamaForCausalLM reads a FLAT config: hidden_size, vocab_size, draft_vocab_size, ... and "
+                 f"EAGLE-3 drafts read a FLAT config: hidden_size, vocab_size, draft_vocab_size, ... and "
                  f"eagle_aux_hidden_state_layer_ids at the top level")
         return None
     missing = [k for k in REQUIRED_KEYS if k not in cfg]
@@ -89,11 +99,25 @@ def _check_config(cfg: dict, spec: VerifierSpec, rep: ContractReport, where: str
         return None
 
     archs = cfg.get("architectures")
-    if not (isinstance(archs, list) and len(archs) == 1 and archs[0] in ARCHITECTURES):
-        rep.fail("architectures", f"{where}: architectures is {archs!r}; vLLM maps EAGLE-3 Llama drafts from "
-                 f"[{ARCHITECTURES[0]!r}] (or [{ARCHITECTURES[1]!r}])")
-    if cfg.get("model_type") != "llama":
-        rep.fail("model_type", f"{where}: model_type is {cfg.get('model_type')!r}, expected 'llama'")
+    kind = kind_of_architecture(archs)
+    if kind is None:
+        names = " or ".join(f"[{n!r}]" for names in ARCHITECTURES.values() for n in names)
+        rep.fail("architectures", f"{where}: architectures is {archs!r}; vLLM maps this project's EAGLE-3 drafts "
+                 f"from {names}")
+        kind = "llama"
+    if cfg.get("model_type") != MODEL_TYPES[kind]:
+        why = (": vLLM's speculative config turns a deepseek_v3 draft config into DeepSeek's MTP module"
+               if cfg.get("model_type") == "deepseek_v3" else "")
+        rep.fail("model_type", f"{where}: model_type is {cfg.get('model_type')!r}, expected {MODEL_TYPES[kind]!r} for "
+                 f"a {kind} draft{why}")
+    if problem := serving_pair_problem(spec.mla, kind, "cuda" if torch.cuda.is_available() else "cpu"):
+        rep.fail("serving_pair_unsupported", f"{where}: {problem}")
+    mla = {k: cfg.get(k) for k in MLA_WIDTHS} if kind == "mla" else {}
+    bad_widths = [k for k, v in mla.items() if v is not None and (not _is_int(v) or v <= 0)]
+    if bad_widths or (kind == "mla" and any(mla[k] is None for k in MLA_WIDTHS if k != "q_lora_rank")):
+        rep.fail("config_bad_value", f"{where}: an MLA draft needs positive integers {', '.join(MLA_WIDTHS)} "
+                 f"(q_lora_rank may be null); got {mla}")
+        return None
     if cfg["num_hidden_layers"] != 1:
         rep.fail("num_hidden_layers", f"{where}: num_hidden_layers is {cfg['num_hidden_layers']}; the draft has "
                  f"one decoder layer (midlayer)")
@@ -118,7 +142,7 @@ def _check_config(cfg: dict, spec: VerifierSpec, rep: ContractReport, where: str
                  f"size {spec.hidden_size} ({spec.path})")
 
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    head_dim = cfg.get("head_dim") or hidden // heads
+    head_dim = cfg.get("head_dim") or (mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"] if mla else hidden // heads)
     if heads % kv:
         rep.fail("config_bad_value", f"{where}: num_attention_heads {heads} is not a multiple of "
                  f"num_key_value_heads {kv}")
@@ -156,15 +180,27 @@ def _check_config(cfg: dict, spec: VerifierSpec, rep: ContractReport, where: str
         if cfg.get(opt) or (isinstance(eagle_cfg, dict) and eagle_cfg.get(opt)):
             rep.fail("unsupported_option", f"{where}: {opt} is set; vLLM would apply it but eagle3.draft.model (training) "
                      f"does not, so serving would compute another draft")
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default":
-        rep.fail("unsupported_option", f"{where}: rope type {rope.get('rope_type', rope.get('type'))!r}; "
-                 f"eagle3.draft.model implements default RoPE only")
+    # vLLM reads norm_before_fc from eagle_config first, then the top level
+    norm_before_fc = bool((eagle_cfg if isinstance(eagle_cfg, dict) else {}).get("norm_before_fc",
+                                                                              cfg.get("norm_before_fc", False)))
+    if norm_before_fc and kind == "mla":
+        rep.fail("unsupported_option", f"{where}: norm_before_fc is set on an MLA draft; vLLM's deepseek_eagle3 has no "
+                 f"input norm (it would not load input_norm.weight): use fc_norm")
+    if "norm_before_residual" not in cfg:
+        rep.warn("norm_before_residual_missing", f"{where}: norm_before_residual is absent; vLLM's speculators path "
+                 f"reads a missing value as true, speculators' own default is false: write it out")
+    rope = cfg.get("rope_scaling") or (cfg.get("rope_parameters") if kind == "llama" else None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type not in ROPE_TYPES[kind]:
+        rep.fail("unsupported_option", f"{where}: rope type {rope_type!r}; eagle3.draft computes "
+                 f"{', '.join(ROPE_TYPES[kind])} RoPE for a {kind} draft")
     if _is_int(spec.text_config.get("max_position_embeddings")) and \
             cfg["max_position_embeddings"] < spec.text_config["max_position_embeddings"]:
         rep.warn("max_position_embeddings", f"{where}: max_position_embeddings {cfg['max_position_embeddings']} < "
                  f"the verifier's {spec.text_config['max_position_embeddings']}: vLLM caps max_model_len to it")
-    return {"hidden": hidden, "target_hidden": target_hidden, "heads": heads, "kv": kv, "head_dim": head_dim,
+    return {"kind": kind, "mla": mla, "rope_scaling": rope if kind == "mla" and rope else None,
+            "norm_before_fc": norm_before_fc and kind == "llama", "fc_norm": bool(cfg.get("fc_norm", False)),
+            "hidden": hidden, "target_hidden": target_hidden, "heads": heads, "kv": kv, "head_dim": head_dim,
             "inter": cfg["intermediate_size"], "vocab": cfg["vocab_size"], "draft_vocab": cfg["draft_vocab_size"],
             "target_vocab": spec.vocab_size,
             "n_aux": n_aux, "aux": aux, "torch_dtype": str(cfg.get("torch_dtype") or cfg.get("dtype") or "")}
@@ -175,6 +211,8 @@ def _expected(d: dict[str, Any], rep: ContractReport, where: str) -> dict[str, t
     out: a checkpoint may omit it; fc left out when the aux ids are unusable). None when no model can be built."""
     try:
         cfg = DraftConfig(
+            kind=d["kind"], **d["mla"], rope_scaling=d["rope_scaling"], norm_before_fc=d["norm_before_fc"],
+            fc_norm=d["fc_norm"],
             hidden_size=d["hidden"], target_hidden_size=d["target_hidden"], intermediate_size=d["inter"],
             num_attention_heads=d["heads"], num_key_value_heads=d["kv"], head_dim=d["head_dim"],
             vocab_size=d["target_vocab"],  # t2d covers the verifier's vocab (a wrong config vocab is reported once)
@@ -187,6 +225,7 @@ def _expected(d: dict[str, Any], rep: ContractReport, where: str) -> dict[str, t
     shapes.pop("embed_tokens.weight")
     if d["n_aux"] is None:
         shapes.pop("fc.weight")
+        shapes = {n: s for n, s in shapes.items() if not n.startswith(("input_norm.", "fc_norm."))}
     return shapes
 
 

@@ -37,6 +37,7 @@ import torch
 
 from eagle3.draft.checkpoint import load_draft
 from eagle3.draft.model import Eagle3Draft
+from eagle3.support.verifier import VerifierSpec
 from eagle3.validate.vllm_check import (
     AcceptanceStats,
     load_tokenizer,
@@ -48,11 +49,12 @@ from eagle3.validate.vllm_check import (
 log = logging.getLogger("eagle3")
 
 
-def load_verifier(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
-    """A transformers causal LM in eval mode (Llama-style models that AutoModelForCausalLM loads)."""
-    from transformers import AutoModelForCausalLM
+def load_verifier(path: str | os.PathLike, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
+    """The verifier as a transformers causal LM in eval mode, through extraction's loader (flat checkpoints, and
+    Kimi-K2.5's nested layout: text_config, ``language_model.`` weights, per-expert tensors)."""
+    from eagle3.extract.hf_backend import load_hf_model
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    return load_hf_model(VerifierSpec.from_path(path), dtype, "cpu", trust_remote_code=trust_remote_code)
 
 
 @torch.no_grad()
@@ -81,12 +83,12 @@ def propose(draft: Eagle3Draft, context_ids: list[int], context_aux: torch.Tenso
     drafts: list[int] = []
     for step in range(k):
         t = tokens.shape[0]
-        prenorm, logits = draft(tokens[None], hidden[None], torch.arange(t)[None])  # [1, t, H], [1, t, D]
+        fed, logits = draft(tokens[None], hidden[None], torch.arange(t)[None])  # [1, t, H], [1, t, D]
         d = int(draft.draft_to_target(logits[0, -1].argmax()))
         drafts.append(d)
-        if step + 1 < k:  # the next entry: token d at the next position, hidden = this step's pre-norm output
-            tokens = torch.cat([tokens, torch.tensor([d])])
-            hidden = torch.cat([hidden, prenorm[0, -1:]], dim=0)  # [t + 1, H]
+        if step + 1 < k:  # the next entry: token d at the next position, hidden = this step's output fed forward
+            tokens = torch.cat([tokens, torch.tensor([d])])  # (pre-norm, or normed with norm_output)
+            hidden = torch.cat([hidden, fed[0, -1:]], dim=0)  # [t + 1, H]
     return drafts
 
 
@@ -157,7 +159,7 @@ def _offline_acceptance(verifier_path, draft_dir, prompts_path, num_prompts: int
     tokenizer = load_tokenizer(verifier_path, trust_remote_code)
     prompts = prompt_token_ids(tokenizer, read_prompt_messages(prompts_path, num_prompts))
     stops = set(stop_token_ids(verifier_path, tokenizer))
-    verifier = load_verifier(verifier_path)
+    verifier = load_verifier(verifier_path, trust_remote_code=trust_remote_code)
     draft = load_draft(Path(draft_dir), verifier_path=verifier_path).eval()
     stats = AcceptanceStats(num_speculative_tokens)
     outputs = []
