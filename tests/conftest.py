@@ -5,6 +5,9 @@
 * ``kimi_like_target``: a random-init DeepseekV3 (MLA + MoE) language model saved SHARDED under the
   ``language_model.`` prefix with a nested ``text_config``, as Kimi-K2.5 ships, to prove that the code finds
   ``embed_tokens``, the final ``norm`` and ``lm_head`` through the safetensors index.
+* ``kimi_shaped``: Kimi-K2.5's own layout and widths (tools/kimi_mini.py: MLA 512/1536/64/128/128, yarn rope,
+  noaux_tc routing, per-expert tensors, a vision tower) at test size, random weights: what vLLM's CPU build serves
+  through KimiK25ForConditionalGeneration.
 
 Prefect, real parts only: ``prefect_harness`` (Prefect's test harness, a temporary server for flows run in this
 process) and ``prefect_server`` (``prefect server start`` on a free loopback port with every service, as on a real
@@ -164,6 +167,19 @@ def tiny_llama_verifier(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def kimi_like_target(tmp_path_factory) -> Path:
     return save_kimi_like_target(tmp_path_factory.mktemp("kimi-like") / "target")
+
+
+# a Kimi-shaped verifier at test size: Kimi-K2.5's MLA widths (vLLM's CPU MLA kernel needs kv_lora_rank + rope = 576),
+# yarn rope, routing and nested layout (tools/kimi_mini.py), random weights, small hidden / layers / experts
+KIMI_SHAPED_SMALL = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,  # noqa: C408
+                         num_hidden_layers=4, n_routed_experts=4)
+
+
+@pytest.fixture(scope="session")
+def kimi_shaped(tmp_path_factory) -> Path:
+    from tools.kimi_mini import random_kimi_shaped
+
+    return random_kimi_shaped(tmp_path_factory.mktemp("kimi-shaped") / "verifier", **KIMI_SHAPED_SMALL)
 
 
 @pytest.fixture(scope="session")

@@ -105,6 +105,18 @@ class ExtractConfig(BaseModel):
         description="Batches of states waiting for the writer thread (bounds host memory: batches).",
         json_schema_extra=RUNTIME,
     )
+    selfcheck: bool = Field(
+        default=True,
+        description="Extraction self-check (eagle3/extract/selfcheck.py): one sample extracted inside a batch of "
+        "several is extracted again alone, and every stored state (each aux layer and the final one) must agree "
+        "within the compute dtype's tolerance, else the stage fails naming the sample and the layer. Costs one "
+        "extra forward of one sample per extraction run.", json_schema_extra=RUNTIME,
+    )
+    selfcheck_tolerance: float | None = Field(
+        default=None, gt=0,
+        description="Largest relative L2 error (fraction) between a sample's states extracted alone and in a batch; "
+        "None = by compute dtype (float32 1e-3, bfloat16 / float16 3e-2).", json_schema_extra=RUNTIME,
+    )
 
     def with_smaller_batches(self, scale: float) -> ExtractConfig:
         """The same extraction at ``scale`` (1/2, 1/4, ...) of the token budget, floored at min_tokens_per_batch (an

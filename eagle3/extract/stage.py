@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 from pydantic import Field
 
-from eagle3.extract import hf_backend
+from eagle3.extract import hf_backend, selfcheck
 from eagle3.extract.batching import Batch, TokenBudgetBatcher, pad_right
 from eagle3.extract.config import ExtractConfig
 from eagle3.extract.store import (
@@ -114,6 +114,9 @@ class HiddenStates(Artifact):
                                           "the manifest had lost (deleted or torn manifest).")
     vllm_logs: list[str] = Field(default_factory=list, description="vLLM backend: the whole output of each driver "
                                  "start of this run (the logs carry vLLM's errors and the driver's own lines).")
+    selfcheck: dict[str, Any] | None = Field(None, description="The extraction self-check (a sample alone vs in a "
+                                             "batch, relative error per stored state; eagle3/extract/selfcheck.py) "
+                                             "of the run that extracted, or why it did not run.")
 
     def outputs(self) -> list[str]:
         return [self.store_path]
@@ -303,6 +306,7 @@ def _run_transformers(
     progress.restart()
     attempt = 0
     n_batches = TokenBudgetBatcher(todo, cfg.max_tokens_per_batch, cfg.max_samples_per_batch).count()
+    check_pending = cfg.selfcheck
     try:
         while (batch := batcher.next()) is not None:
             progress.note(f"batch {attempt + 1} of ~{n_batches}: {len(batch.indices)} samples, {batch.tokens:,} tokens "
@@ -324,6 +328,10 @@ def _run_transformers(
                 _on_oom(cfg, batcher, batch, oom_message, stats, progress)
                 continue
             aux, final = aux.to("cpu"), final.to("cpu")
+            if check_pending and len(batch.indices) > 1:  # before anything of this batch is written
+                _selfcheck_transformers(backend, batch, rows, aux, final, aux_ids, compute_dtype, cfg, store_dir,
+                                        stats)
+                check_pending = False
             samples = []
             for b, (idx, n) in enumerate(zip(batch.indices, batch.lengths)):  # drop the right padding
                 samples.append((idx, aux[b, :n], final[b, :n],  # [T, n_aux*H], [T, H]
@@ -341,6 +349,23 @@ def _run_transformers(
     stats["extract_end"] = time.monotonic()
     stats["samples_written"] += writer.written
     stats["bytes_written"] += writer.bytes
+
+
+def _selfcheck_transformers(backend: hf_backend.TransformersBackend, batch: Batch, rows: dict, aux: torch.Tensor,
+                            final: torch.Tensor, aux_ids: list[int], compute_dtype: str, cfg: ExtractConfig,
+                            store_dir: Path, stats: dict[str, Any]) -> None:
+    """The self-check on the batch's shortest sample (the most right padding): extracted again alone, compared with
+    its row of the batch (aux: [B, T_max, n_aux * H], final: [B, T_max, H], compute dtype); raises
+    BatchInvarianceError on a mismatch."""
+    t0 = time.monotonic()
+    b = min(range(len(batch.indices)), key=lambda j: batch.lengths[j])
+    n = batch.lengths[b]
+    ids, mask = pad_right([rows["input_ids"][b]])  # [1, n]
+    alone_aux, alone_final = backend.capture(ids, mask)
+    record = selfcheck.check(batch.indices[b], len(batch.indices), (aux[b, :n], final[b, :n]),
+                             (alone_aux[0, :n].to("cpu"), alone_final[0, :n].to("cpu")), aux_ids, compute_dtype,
+                             "transformers", time.monotonic() - t0, cfg.selfcheck_tolerance)
+    selfcheck.record(store_dir, record, stats)
 
 
 def _on_oom(cfg: ExtractConfig, batcher: TokenBudgetBatcher, batch: Batch, message: str, stats: dict,
@@ -369,6 +394,20 @@ def _on_oom(cfg: ExtractConfig, batcher: TokenBudgetBatcher, batch: Batch, messa
 
 
 # -------------------------------------------------------------------------------------------------- entry point
+
+
+def _selfcheck_outcome(cfg: ExtractConfig, stats: dict[str, Any], store_dir: Path) -> dict[str, Any]:
+    """This run's self-check, else the one recorded by the run that extracted the store, else why none ran."""
+    if not cfg.selfcheck:
+        return selfcheck.not_run("extract.selfcheck is false")
+    if "selfcheck" in stats:
+        return stats["selfcheck"]
+    if stats["samples_written"]:
+        record = selfcheck.not_run("no forward pass held two samples (max_samples_per_batch 1, or one sample left)")
+        log.warning("extract: %s", selfcheck.summary(record))
+        return record
+    return selfcheck.load(store_dir) or selfcheck.not_run("nothing was extracted in this run")
+
 
 
 def _start(cfg: ExtractConfig, todo: dict[int, int], start: int, end: int, n: int, aux_ids: list[int],
@@ -414,6 +453,8 @@ def extract_hidden_states(
     ))
     stats: dict[str, Any] = {"model_loads": 0, "model_load_seconds": 0.0, "samples_written": 0, "bytes_written": 0,
                              "samples_unfittable": [], "token_budget_history": [cfg.max_tokens_per_batch]}
+    if cfg.selfcheck:  # a failed self-check stays failed: never hand on states that depend on batch composition
+        selfcheck.raise_if_failed(selfcheck.load(store_dir))
     t_start = time.monotonic()
     listed = read_manifest(store_dir, strict=False)
     temps_removed = dropped = rebuilt = 0
@@ -467,6 +508,7 @@ def extract_hidden_states(
         model_load_seconds=stats["model_load_seconds"], model_loads=stats["model_loads"],
         token_budget_history=stats["token_budget_history"], temp_files_removed=temps_removed,
         manifest_entries_dropped=dropped, manifest_entries_rebuilt=rebuilt, vllm_logs=stats.get("vllm_logs", []),
+        selfcheck=_selfcheck_outcome(cfg, stats, store_dir),
     )
     result.save()
     log.info("extract: done: %d samples written (%s tokens, %s bytes) at %s tok/s, %d resumed, %d unfittable "

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from eagle3.extract import selfcheck
 from eagle3.extract.config import ExtractConfig
 from eagle3.extract.store import MANIFEST
 from eagle3.support.gpu import OutOfMemoryAfterRetries, is_oom_text
@@ -118,18 +119,27 @@ def run_vllm(
         while remaining:
             attempt += 1
             work_file = work / f"work-{os.getpid()}.safetensors"
-            write_work_file(work_file, ds, sorted(remaining))
+            check = selfcheck_sample(remaining) if cfg.selfcheck and "selfcheck" not in stats else None
+            order = sorted(remaining)
+            if check is not None:  # second in line: the first step holds it behind another sample (its tokens at an
+                others = [i for i in order if i != check]  # offset in the flattened step, as most requests' are)
+                order = [others[0], check, *others[1:]]
+            write_work_file(work_file, ds, order)
+            longest = max(remaining.values()) + 1  # tokens: the longest prompt + the one token vLLM generates
+            check_file = work / f"selfcheck-{os.getpid()}-{attempt}.json"
             job = {
                 "verifier": str(spec.path), "aux_layer_ids": aux_ids, "num_hidden_layers": spec.num_hidden_layers,
                 "store_dir": str(store_dir), "group_size": meta["group_size"], "store_dtype": meta["dtype"],
                 "work_file": str(work_file),
                 "dtype": compute_dtype,
                 "tensor_parallel_size": cfg.tensor_parallel_size,
-                "max_num_batched_tokens": budget, "max_num_seqs": cfg.max_samples_per_batch,
-                "max_model_len": max(remaining.values()) + 1,
+                "max_num_batched_tokens": step_tokens(budget, longest, spec.mla, on_gpu),
+                "max_num_seqs": cfg.max_samples_per_batch, "max_model_len": longest,
                 "gpu_memory_utilization": cfg.vllm_gpu_memory_utilization if on_gpu else 0.25,
                 "enforce_eager": True, "trust_remote_code": cfg.trust_remote_code,
                 "chunk_samples": _CHUNK_SAMPLES, "write_timeout_seconds": 300,
+                "selfcheck": None if check is None else {
+                    "index": check, "tolerance": cfg.selfcheck_tolerance, "result_file": str(check_file)},
             }
             job_file = work / f"job-{os.getpid()}.json"
             job_file.write_text(json.dumps(job, indent=2))
@@ -141,6 +151,8 @@ def run_vllm(
             rc = _run_driver(python, job_file, log_file, store_dir, remaining, stats, progress, lock_fds,
                              cfg.vllm_timeout_seconds)
             stats["model_loads"] += 1
+            if check_file.is_file():  # the driver compared its sample alone and in the batch (raises on a mismatch)
+                selfcheck.record(store_dir, json.loads(check_file.read_text()), stats)
             if rc == 0 and not remaining:
                 break
             tail = _tail(log_file)
@@ -162,6 +174,21 @@ def run_vllm(
             if f.suffix != ".log":
                 f.unlink(missing_ok=True)
     stats["extract_end"] = time.monotonic()
+
+
+def selfcheck_sample(remaining: dict[int, int], window: int = 64) -> int | None:
+    """The sample the driver extracts alone and in the first batch: the shortest of the first ``window`` to do (so
+    the scheduler's first step has room for it beside another); None when fewer than two are left."""
+    first = sorted(remaining)[:window]
+    return min(first, key=lambda i: (remaining[i], i)) if len(first) > 1 else None
+
+
+def step_tokens(budget: int, longest: int, mla: bool, on_gpu: bool) -> int:
+    """vLLM's max_num_batched_tokens for a token ``budget``. On a CPU vLLM 0.32 turns chunked prefill off for MLA
+    models (Kimi-K2.5, DeepSeek) but keeps the scheduler's per-step cap at the requested value, so a prompt longer
+    than the budget is never scheduled and the engine waits forever (measured on a Kimi-shaped verifier: a 130-token
+    sample at a 128-token budget); there a step must hold the ``longest`` prompt."""
+    return max(budget, longest) if mla and not on_gpu else budget
 
 
 def _run_driver(python: str, job_file: Path, log_file: Path, store_dir: Path, remaining: dict[int, int],

@@ -34,18 +34,28 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 from vllm.logger import init_logger
 
+from eagle3.extract.selfcheck import SELFCHECK_DIR
 from eagle3.extract.store import STORE_DTYPES, append_manifest, serialize_sample, write_sample_bytes
+from eagle3.support.io import save_safetensors
 
 logger = init_logger(__name__)
 
 INDEX_KEY = "eagle3_index"  # kv_transfer_params keys set by the driver per request
 LOSS_MASK_KEY = "eagle3_loss_mask"
+SELFCHECK_KEY = "eagle3_selfcheck"  # "alone": keep a raw copy only; "batch": the store sample + a raw copy
+
+
+def selfcheck_file(store_dir: str | Path, kind: str, index: int) -> Path:
+    """The raw copy ([T, n_aux + 1, H], compute dtype) of the self-check's sample, extracted ``kind`` ("alone" or
+    "batch"): eagle3/extract/selfcheck.py compares the two."""
+    return Path(store_dir) / SELFCHECK_DIR / f"{kind}-{index:09d}.safetensors"
 
 
 @dataclass
 class StorePendingSave(PendingSave):
     index: int = -1  # dataset index of the sample
     loss_mask: list[int] = field(default_factory=list)  # [T], 1 = assistant token
+    selfcheck: str = ""  # "", "alone" or "batch" (SELFCHECK_KEY)
 
 
 class Eagle3StoreConnector(ExampleHiddenStatesConnector):
@@ -73,6 +83,7 @@ class Eagle3StoreConnector(ExampleHiddenStatesConnector):
             block_ids=list(block_ids),
             index=int(params[INDEX_KEY]),
             loss_mask=list(params[LOSS_MASK_KEY]),
+            selfcheck=str(params.get(SELFCHECK_KEY, "")),
         )
         return True, {INDEX_KEY: int(params[INDEX_KEY])}
 
@@ -98,6 +109,14 @@ class Eagle3StoreConnector(ExampleHiddenStatesConnector):
         if k != self._n_aux + 1:
             raise RuntimeError(f"sample {pending.index}: {k} cached states per token, expected n_aux + 1 = "
                                f"{self._n_aux + 1}")
+        if pending.selfcheck:  # the raw states, in the compute dtype, for the self-check's comparison
+            path = selfcheck_file(self._store_dir, pending.selfcheck, pending.index)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp")
+            save_safetensors({"states": states.contiguous()}, tmp)
+            tmp.replace(path)
+            if pending.selfcheck == "alone":
+                return
         aux = states[:, : self._n_aux].reshape(n, self._n_aux * h)  # [T, n_aux * H], ascending layer ids
         final = states[:, self._n_aux]  # [T, H], last layer output before the final norm
         data = serialize_sample(aux, final, pending.token_ids, torch.tensor(pending.loss_mask, dtype=torch.uint8),

@@ -12,7 +12,9 @@ store. Prefix caching is OFF: a cached prefix would skip the forward of those to
 Job file keys: verifier, aux_layer_ids, num_hidden_layers, store_dir, group_size, store_dtype, work_file
 (safetensors: index [N] int64, offsets [N+1] int64, input_ids [sum T] int32, loss_mask [sum T] uint8),
 dtype, tensor_parallel_size, max_num_batched_tokens, max_num_seqs, max_model_len, gpu_memory_utilization,
-enforce_eager, trust_remote_code, chunk_samples, write_timeout_seconds.
+enforce_eager, trust_remote_code, chunk_samples, write_timeout_seconds, selfcheck (None, or index, tolerance and
+result_file: the sample is first extracted alone, then second in the first chunk; the driver compares the two raw
+copies the connector keeps (eagle3/extract/selfcheck.py), writes the result and stops with code 4 on a mismatch).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import time
 from pathlib import Path
 
 from eagle3.extract.store import read_manifest
+
+SELFCHECK_FAILED = 4  # exit status: the self-check found batch-dependent states
 
 
 def build_llm(job: dict):
@@ -66,22 +70,34 @@ def main(job_path: str) -> int:
     from safetensors.torch import load_file
     from vllm import SamplingParams
 
-    from eagle3.extract.vllm_connector import INDEX_KEY, LOSS_MASK_KEY
+    from eagle3.extract.vllm_connector import INDEX_KEY, LOSS_MASK_KEY, SELFCHECK_KEY
 
     job = json.loads(Path(job_path).read_text())
     work = load_file(job["work_file"])
     index, offsets = work["index"].tolist(), work["offsets"].tolist()
     input_ids, loss_mask = work["input_ids"], work["loss_mask"]
     llm = build_llm(job)
+    check = job.get("selfcheck")
+
+    def request(j: int, selfcheck: str = "") -> tuple[dict, SamplingParams]:
+        s, e = offsets[j], offsets[j + 1]
+        params = {INDEX_KEY: index[j], LOSS_MASK_KEY: loss_mask[s:e].tolist()}
+        if selfcheck:
+            params[SELFCHECK_KEY] = selfcheck
+        return ({"prompt_token_ids": input_ids[s:e].tolist()},
+                SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}))
+
+    if check:  # the check's sample alone, in a generate call of its own (the work file lists it second)
+        t0 = time.monotonic()
+        prompt, params = request(1, "alone")
+        llm.generate([prompt], [params], use_tqdm=False)
     chunk = max(1, int(job["chunk_samples"]))
     for a in range(0, len(index), chunk):
-        prompts, params = [], []
-        for j in range(a, min(a + chunk, len(index))):
-            s, e = offsets[j], offsets[j + 1]
-            prompts.append({"prompt_token_ids": input_ids[s:e].tolist()})
-            params.append(SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {
-                INDEX_KEY: index[j], LOSS_MASK_KEY: loss_mask[s:e].tolist()}}))
-        llm.generate(prompts, params, use_tqdm=False)
+        prompts, params = zip(*(request(j, "batch" if check and j == 1 else "")
+                                for j in range(a, min(a + chunk, len(index)))))
+        llm.generate(list(prompts), list(params), use_tqdm=False)
+        if check and a == 0 and not _compare(job, check, min(chunk, len(index)), time.monotonic() - t0):
+            return SELFCHECK_FAILED
     # writes finish on the connector's threads: wait until the manifest lists every sample of this job
     want, deadline = set(index), time.monotonic() + float(job["write_timeout_seconds"])
     while True:
@@ -94,6 +110,32 @@ def main(job_path: str) -> int:
                   file=sys.stderr, flush=True)
             return 3
         time.sleep(0.2)
+
+
+def _compare(job: dict, check: dict, batch_size: int, seconds: float) -> bool:
+    """Compare the raw copies of the check's sample (alone, in the batch) once the connector wrote both; write the
+    result file. False when the states differ beyond the tolerance."""
+    from safetensors.torch import load_file
+
+    from eagle3.extract import selfcheck
+    from eagle3.extract.vllm_connector import selfcheck_file
+    from eagle3.support.io import atomic_write_json
+
+    files = [selfcheck_file(job["store_dir"], kind, check["index"]) for kind in ("batch", "alone")]
+    deadline = time.monotonic() + float(job["write_timeout_seconds"])
+    while not all(f.is_file() for f in files):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"self-check copies never reached the disk: {[str(f) for f in files]}")
+        time.sleep(0.1)
+    n_aux = len(job["aux_layer_ids"])
+    batch, alone = (load_file(str(f))["states"] for f in files)  # [T, n_aux + 1, H] each
+    record = selfcheck.check(
+        check["index"], batch_size, (batch[:, :n_aux].flatten(1), batch[:, n_aux]),
+        (alone[:, :n_aux].flatten(1), alone[:, n_aux]), job["aux_layer_ids"], job["dtype"], "vllm", seconds,
+        check["tolerance"])
+    atomic_write_json(check["result_file"], record)
+    print(f"[eagle3-vllm] {selfcheck.summary(record)}", flush=True)
+    return bool(record["passed"])
 
 
 if __name__ == "__main__":

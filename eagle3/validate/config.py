@@ -36,7 +36,8 @@ class ValidateConfig(BaseModel):
         json_schema_extra=RUNTIME)
     engine_in_process: bool = Field(
         True, description="Run vLLM's engine core in the check's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0): "
-        "one interpreter start less, ~10 s on CPU.", json_schema_extra=RUNTIME)
+        "one interpreter start less, ~10 s on CPU. Never for a nested multimodal verifier (Kimi-K2.5): vLLM 0.32's "
+        "CPU worker then fails at start.", json_schema_extra=RUNTIME)
     trust_remote_code: bool = Field(False, description="Let transformers/vLLM run the verifier's own Python code "
                                     "(Kimi-K2.5's tokenizer needs it).")
     timeout_s: float = Field(1800.0, gt=0, description="Wall-clock limit of the vLLM subprocess, in seconds; its "

@@ -33,6 +33,7 @@ from eagle3.support.gpu import DeviceGuard, cuda_device_ids, file_lock_guard
 from eagle3.support.io import atomic_write_json, sha256_file
 from eagle3.support.paths import REPO_ROOT, resolve_path, vllm_python, vllm_subprocess_env
 from eagle3.support.subproc import SubprocessFailed, run_subprocess
+from eagle3.support.verifier import VerifierSpec
 from eagle3.train.stage import DraftCheckpoint
 from eagle3.validate.config import ValidateConfig
 from eagle3.validate.contract import validate_checkpoint
@@ -67,7 +68,11 @@ def run_vllm_check(cfg: ValidateConfig, verifier_path: str | os.PathLike, draft_
         "trust_remote_code": cfg.trust_remote_code, "seed": 0, "speed_repeats": cfg.speed_repeats, "out": str(out),
     }
     args_file = atomic_write_json(work_dir / "vllm_args.json", args)
-    env = vllm_subprocess_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if cfg.engine_in_process else None)
+    # a nested multimodal verifier (Kimi-K2.5) never runs in-process: its processor imports numba, and vLLM 0.32's
+    # CPU worker then fails at start while rebinding its kernels (AttributeError: '_lib_fn_wrapper' object has no
+    # attribute 'get', from llvmlite's library proxy); in its own engine process the worker starts before numba
+    in_process = cfg.engine_in_process and not VerifierSpec.from_path(verifier_path).nested
+    env = vllm_subprocess_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process else None)
     cmd = [vllm_python(cfg.vllm_python), "-m", "eagle3.validate.vllm_check", "--args-json", str(args_file)]
     log.info("[validate] vLLM check: %s", " ".join(cmd))
     run_subprocess(cmd, env=env, timeout_s=cfg.timeout_s, log_prefix="[vllm] ", cwd=REPO_ROOT,
