@@ -1,5 +1,5 @@
 # The two commands of the README. Both create the environments first (idempotent; scripts/setup_envs.sh).
-.PHONY: setup demo demo-real test test-fast lint
+.PHONY: setup demo demo-real demo-kimi test test-fast lint
 PY := .venv/bin/python
 
 setup:
@@ -11,6 +11,9 @@ demo: setup
 demo-real: setup
 	$(PY) -m flows.eagle3_pipeline --preset smollm2
 
+demo-kimi: setup  # Kimi-K2.5's architecture end to end (models/kimi-mini, an MLA draft, vLLM validation)
+	$(PY) -m flows.eagle3_pipeline --preset kimi-mini
+
 test: setup
 	$(PY) -m pytest -q
 
@@ -18,4 +21,4 @@ test-fast: setup  # the quick tier: no vLLM, nothing marked slow (under 3 minute
 	$(PY) -m pytest -q -m "not slow and not vllm"
 
 lint: setup
-	$(PY) -m ruff check eagle3 tasks flows tests bench scripts
+	$(PY) -m ruff check eagle3 tasks flows tests bench scripts tools
