@@ -17,6 +17,7 @@ host: workers, deployments, automations; the UI off). One of each per test sessi
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -148,6 +149,27 @@ def make_dataset(path: Path, lengths: list[int], vocab: int, seed: int = 0) -> P
                                                                 "loss_mask": datasets.Sequence(datasets.Value("int8"))}))
     ds.save_to_disk(str(path))
     return path
+
+
+def vllm_env_problem() -> str | None:
+    """Why the vLLM environment is unusable here (None when it is there)."""
+    from eagle3.support.paths import vllm_python
+
+    try:
+        vllm_python()
+    except FileNotFoundError as e:
+        return str(e)
+    return None
+
+
+def pytest_runtest_setup(item):
+    """The one rule for tests marked ``vllm``: without the vLLM environment they skip on a developer's machine, and
+    FAIL under CI=true (a broken setup step must not give a green run)."""
+    if item.get_closest_marker("vllm") is None or (problem := vllm_env_problem()) is None:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true and a vLLM test cannot run: {problem}", pytrace=False)
+    pytest.skip(f"needs the vLLM environment: {problem}")
 
 
 @pytest.fixture(scope="session", autouse=True)

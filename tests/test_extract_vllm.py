@@ -12,19 +12,9 @@ from conftest import make_dataset
 from eagle3.extract.stage import extract_hidden_states
 from eagle3.extract.store import HiddenStateStore
 from eagle3.extract.vllm_backend import VllmExtractionError
-from eagle3.support.paths import vllm_python
 from eagle3.support.verifier import load_verifier_head
 
-
-def _has_vllm() -> bool:
-    try:
-        vllm_python()
-        return True
-    except FileNotFoundError:
-        return False
-
-
-pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not _has_vllm(), reason="needs the vLLM environment")]
+pytestmark = [pytest.mark.vllm]
 
 LENGTHS = [48, 7, 130, 33, 90, 12]
 

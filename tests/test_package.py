@@ -6,11 +6,13 @@ imports Prefect)."""
 from __future__ import annotations
 
 import ast
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import REPO
 
 
@@ -51,3 +53,16 @@ def test_imports_go_one_way():
         assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
     for path in (REPO / "tasks").rglob("*.py"):
         assert "flows" not in imported(path), path
+
+
+@pytest.mark.parametrize(("ci", "outcome"), [("true", "1 error"), ("", "1 skipped")])
+def test_ci_cannot_pass_without_the_vllm_environment(ci, outcome):
+    """A vLLM test without the vLLM environment skips on a developer's machine and FAILS under CI=true (a broken
+    setup step must not give a green CI): the rule of tests/conftest.py, run here in a real pytest process."""
+    env = {**os.environ, "CI": ci, "EAGLE3_VLLM_PYTHON": "/nonexistent/vllm/bin/python"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "tests/test_extract_vllm.py::test_vllm_timeout_kills_process_group"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert outcome in out.stdout, out.stdout[-2000:]
+    if ci:
+        assert "CI=true and a vLLM test cannot run: vLLM interpreter not found" in out.stdout

@@ -7,7 +7,6 @@ import pytest
 import torch
 from safetensors.torch import load, save
 from test_extract import make_dataset
-from test_extract_vllm import _has_vllm
 from test_train import TINY, make_store
 
 from eagle3.capacity import store_file_bytes
@@ -185,7 +184,6 @@ def test_training_on_a_float8_store_matches_the_float32_store(tiny_llama_verifie
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.skipif(not _has_vllm(), reason="needs the vLLM environment")
 def test_vllm_backend_writes_the_float8_store(bundled_verifier, tmp_path):
     lengths = [40, 9, 70]
     ds = make_dataset(tmp_path / "ds", lengths, 8192, seed=3)

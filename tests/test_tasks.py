@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import BUNDLED_DATA
 
 from eagle3.capacity import CapacityPlan
@@ -198,3 +199,22 @@ def test_reuse_check_catches_outputs_resized_or_rewritten_in_place(front, tmp_pa
     raw[-1] ^= 1  # the same size, one bit of t2d
     Path(vocab.mapping_path).write_bytes(bytes(raw))
     assert not reusable(vocab) and "mapping.safetensors changed" in vocab.problems()[0]
+
+
+def test_capacity_refuses_a_draft_kind_vllm_cannot_serve_here_before_anything_runs(front, kimi_shaped, tmp_path):
+    """A llama draft beside an MLA verifier (Kimi-K2.5) on a CPU: vLLM's CPU build cannot serve the pair, so the
+    capacity plan refuses in one sentence naming the setting, before regeneration, extraction or training."""
+    from eagle3.capacity import CapacityError
+    from eagle3.draft.config import DraftArchitecture
+
+    cfg, _, prepared, _ = front
+    verifier = describe_verifier_task.fn(str(kimi_shaped))
+    extract = cfg.extract_config().model_copy(update={"verifier": str(kimi_shaped), "aux_layer_ids": None})
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU host vLLM serves both draft kinds beside an MLA verifier")
+    with pytest.raises(CapacityError, match=r"cannot serve a llama draft beside an MLA verifier .* set "
+                                            r"train.draft.kind: mla$"):
+        plan_capacity_task.fn(cfg.capacity, extract, verifier, prepared, str(tmp_path), draft=DraftArchitecture())
+    plan = plan_capacity_task.fn(cfg.capacity, extract, verifier, prepared, str(tmp_path),
+                                 draft=DraftArchitecture(kind="mla"))
+    assert plan.aux_layer_ids == [1, 2]

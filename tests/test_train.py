@@ -234,12 +234,6 @@ def test_trains_against_a_kimi_like_sharded_nested_verifier(kimi_like_target, tm
     assert cfg["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and cfg["kv_lora_rank"] == 16
     draft = ckpt.load_draft(r.checkpoint_dir)  # embedding read from the verifier named in eagle3_run.json
     assert draft.embed_tokens.weight.shape == (1024, 64) and draft.config.kind == "mla"
-    if not torch.cuda.is_available():  # a llama draft is refused before anything is trained, naming the setting
-        with pytest.raises(TrainError, match=r"cannot serve a llama draft beside an MLA verifier .* set "
-                                             r"train.draft.kind: mla"):
-            train_draft(TrainConfig(epochs=1, val_ratio=0.25, **TINY), store, vocab, tmp_path / "llama",
-                        verifier=kimi_like_target)
-        assert not (tmp_path / "llama").exists()
 
 
 # train-record losses of steps 1-8 (weighted KL over the 3 TTT steps) of the fixed-seed run below, measured on

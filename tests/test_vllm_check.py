@@ -24,7 +24,6 @@ from conftest import vocab_tables
 from eagle3.draft.checkpoint import load_draft, save_draft
 from eagle3.draft.config import DraftConfig
 from eagle3.draft.model import Eagle3Draft
-from eagle3.support.paths import vllm_python
 from eagle3.support.subproc import SubprocessFailed
 from eagle3.support.verifier import VerifierSpec
 from eagle3.validate.config import ValidateConfig
@@ -52,14 +51,6 @@ TRAIN_EPOCHS = 2  # 34 optimizer steps of 8 x 512 tokens: ~2 minutes on 2 CPU co
 # draft 1.029, offline reference 1.614 (identical counters). Pinned ~10% below the measurement.
 MIN_MEAN_ACCEPTANCE_LENGTH = 1.45
 MIN_GAIN_OVER_UNTRAINED = 0.3  # tokens per verifier step (measured 0.585)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _needs_vllm_env():
-    try:
-        vllm_python()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")

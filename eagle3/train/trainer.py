@@ -27,10 +27,9 @@ import torch
 from torch import nn
 
 from eagle3.draft import checkpoint as ckpt
-from eagle3.draft.config import DraftConfig, serving_pair_problem
+from eagle3.draft.config import DraftConfig
 from eagle3.draft.model import Eagle3Draft
 from eagle3.extract.store import STORE_JSON, HiddenStateStore, StoreError
-from eagle3.support.dtypes import device_type
 from eagle3.support.io import atomic_write_text, sha256_file
 from eagle3.support.progress import Progress
 from eagle3.support.settings import output_view
@@ -138,8 +137,6 @@ class Trainer:
         if len(t2d) != spec.vocab_size:
             raise TrainError(f"vocab mapping {self.vocab_path}: t2d covers {len(t2d)} target tokens, the verifier "
                              f"{self.verifier_path} has vocab_size {spec.vocab_size}")
-        if problem := serving_pair_problem(spec.mla, cfg.draft.kind, device_type("auto")):
-            raise TrainError(problem)
         self.draft_cfg = DraftConfig.build(spec, len(d2t), self.store.aux_layer_ids, cfg.draft,
                                            torch_dtype=cfg.checkpoint_dtype)
         self._check_memory()
