@@ -13,31 +13,32 @@ from prefect import task
 
 from eagle3.config import HostConfig
 from eagle3.prepare import DataSources
+from eagle3.support.display import measured
 from eagle3.train.stage import DraftCheckpoint
 from eagle3.validate.config import ValidateConfig
 from eagle3.validate.report import ACCEPTANCE_IMAGE
 from eagle3.validate.stage import ValidationReport, validate_draft
+from eagle3.validate.verdict import PER_STEP
 from tasks import artifacts
 from tasks.common import gpu_guard, stage_dir, stage_task
 from tasks.logs import logs_from_all_threads
 
 
 def publish(report: ValidationReport) -> None:
-    """The validation's UI artifacts: the acceptance table and the report (with its chart inline)."""
-    rows = [{"figure": "verdict", "value": report.verdict}]
+    """The validation's UI artifacts: the verdict with each criterion and the acceptance figures (a table), and the
+    report (its chart inline)."""
+    rows = [{"figure": "verdict", "value": report.verdict_line()}]
+    rows += [{"figure": f"criterion: {c.name}", "value": f"{c.result}: {c.measured} (required: {c.required})"}
+             for c in report.criteria]
     if report.mean_acceptance_length is not None:
-        rows += [{"figure": "mean acceptance length (tokens per verifier step)",
-                  "value": round(report.mean_acceptance_length, 4)}]
-        rows += [{"figure": f"acceptance at position {i + 1}", "value": round(r, 4)}
+        rows += [{"figure": "mean acceptance length (vLLM)", "value": measured(report.mean_acceptance_length,
+                                                                               PER_STEP)}]
+        rows += [{"figure": f"acceptance at position {i + 1} (share of verifier steps)", "value": r}
                  for i, r in enumerate(report.per_position_acceptance or [])]
-        rows += [{"figure": "lossless", "value": report.lossless}]
-        if report.decode_speedup is not None:
-            rows += [{"figure": "decoding speedup (output tokens/s with / without the draft)",
-                      "value": round(report.decode_speedup, 3)}]
     rows += [{"figure": "reason", "value": r} for r in report.reasons]
     if report.vllm_log:
         rows += [{"figure": "vLLM log (its whole output)", "value": report.vllm_log}]
-    artifacts.table("validation-acceptance", rows, description=f"EAGLE-3 draft validation: {report.verdict}")
+    artifacts.table("validation-acceptance", rows, description=f"EAGLE-3 draft validation: {report.verdict_line()}")
     md = Path(report.report_md).read_text()
     if report.acceptance_png:
         md = md.replace(ACCEPTANCE_IMAGE, artifacts.image_markdown(report.acceptance_png, "per-position acceptance"))

@@ -414,6 +414,44 @@ def test_report_opens_with_the_verdict_and_its_criteria(tmp_path):
     assert "not checked: weights are the ones trained" in head  # a plain folder: no hash recorded at training
 
 
+def test_run_summary_states_the_verdict_its_criteria_and_rounded_figures(tmp_path):
+    """Issue 20: run-summary said PASS at "1.1031390134529149" and "untrained draft: None", without a criterion."""
+    from eagle3.validate.stage import ValidationReport
+    from eagle3.validate.verdict import judge
+    from tasks.artifacts import for_people, run_summary_markdown
+
+    rep = _sample_report()
+    rep["vllm"].update(num_prompts=8, mismatches=[])
+    rep["vllm"].pop("untrained")
+    rep["vllm"]["acceptance"]["mean_acceptance_length"] = 1.1031390134529149
+    cfg = ValidateConfig()  # compare_untrained off, no threshold
+    criteria, reasons = judge({"weights_sha256": "a" * 64, **rep}, cfg, "/x/model.safetensors", "a" * 64)
+    rep.update(criteria=[c.model_dump() for c in criteria], reasons=reasons)
+    paths = write_report(tmp_path, rep)
+    report = ValidationReport(
+        out_dir=str(tmp_path), fingerprint=sha256_file(paths["report_json"]), report_json=paths["report_json"],
+        report_md=paths["report_md"], acceptance_png=None, vllm_log=None, checkpoint_dir="/x/draft",
+        weights_sha256="a" * 64, verdict="pass", reasons=[], criteria=criteria, structural_ok=True, failure_codes=[],
+        lossless=True, mean_acceptance_length=1.1031390134529149, per_position_acceptance=None,
+        untrained_mean_acceptance_length=None, offline_mean_acceptance_length=None,
+        offline_relative_difference=None, decode_speedup=None)
+    summary = {"run_dir": "/x", "checkpoint": "/x/draft", "report": paths["report_md"], "verdict": "pass",
+               "mean_acceptance_length": 1.1031390134529149, "untrained_mean_acceptance_length": None,
+               "weights_sha256": "a" * 64}
+    checkpoint = type("Checkpoint", (), {"producer": None})()  # run_summary_markdown reads only its producer
+    md = run_summary_markdown(summary, checkpoint, report)
+    assert md.startswith("# EAGLE-3 run: PASS")
+    assert "**Validation: PASS: 4 criteria met; reported without a threshold: mean acceptance length (vLLM)" in md
+    assert "| mean acceptance length (vLLM) | 1.10 tokens per verifier step; no threshold set |" in md
+    assert "| untrained draft | not measured (validate.compare_untrained is off) |" in md
+    assert "| lossless at temperature 0 | identical outputs (validate.require_lossless) |" in md
+    assert "1.1031" not in md and "None" not in md
+    assert for_people([{"metric": "sim accept", "value": 1.2126719199790643}, {"metric": "x", "value": None},
+                       {"metric": "tokens", "value": 11828}]) == [
+        {"metric": "sim accept", "value": "1.21"}, {"metric": "x", "value": "not measured"},
+        {"metric": "tokens", "value": "11,828"}]
+
+
 def test_validate_config_rejects_unknown_and_bad_fields():
     with pytest.raises(ValueError):
         ValidateConfig(num_speculative_tokens=0)
