@@ -263,7 +263,7 @@ def test_progress_lines_start_at_once_and_count_what_the_stage_really_processes(
             prepare_data({"sources": [src], "tokenizer_path": str(BUNDLED_TOKENIZER), **kw}, tmp_path / name)
         lines = [r.getMessage() for r in caplog.records if r.name.startswith("eagle3")]
         assert lines[0].startswith(f"[data] reading {src} with the tokenizer of"), lines
-        progress = [line for line in lines if line.startswith("[data] rows") or line.startswith("[data] samples")]
+        progress = [line for line in lines if line.startswith(("[data] rows", "[data] samples"))]
         assert progress and all(first_total.split("/")[1] + " (" in p for p in progress), progress
         assert progress[-1].startswith(f"[data] {first_total} (100.0%)"), progress
         unit, total = first_total.split(" ")[0], first_total.split("/")[1]

@@ -115,8 +115,8 @@ def test_every_line_of_a_run_says_which_stage_wrote_it(prefect_harness, eagle3_i
         describe_prompts()
 
     state = tagged_logs(return_state=True)
-    found = _read_messages(state.state_details.flow_run_id, {f"{marker} the flow's own line", f"{marker} from a "
-                           "thread", "[tagged-logs] Finished in state"})
+    found = _read_messages(state.state_details.flow_run_id, {f"{marker} the flow's own line",
+                                                              f"{marker} from a thread", "[tagged-logs] Finished in state"})
     assert f"[demo-train] {marker} epoch 1" in found, found
     assert f"[demo-train] {marker} holding host-cpu" in found, found
     assert f"[demo-train] [vllm] {marker} from a thread" in found, found

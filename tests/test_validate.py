@@ -389,8 +389,8 @@ def test_verdict_states_each_criterion_with_what_it_requires_and_the_value_measu
     rep["vllm"].update(lossless=False, mismatches=[{"prompt": 3, "first_difference_at_token": 7}])
     by, reasons = _criteria(rep, ValidateConfig())
     assert by["lossless at temperature 0"]["result"] == "NOT met"
-    assert reasons == ["[not_lossless] speculative and plain greedy outputs differ on 1 of 8 prompts (first: prompt 3 "
-                       "at token 7)"]
+    assert reasons == [("[not_lossless] speculative and plain greedy outputs differ on 1 of 8 prompts (first: prompt 3 "
+                        "at token 7)")]
     by, reasons = _criteria(rep, ValidateConfig(require_lossless=False))
     assert by["lossless at temperature 0"]["result"] == "not gated" and reasons == []
 
