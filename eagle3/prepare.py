@@ -66,7 +66,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from eagle3.support.artifacts import Artifact, file_problem
 from eagle3.support.chat import FORMATS, canonical_role, detect_format
 from eagle3.support.io import atomic_path, atomic_write_json, fingerprint_paths, sha256_file, sha256_json
-from eagle3.support.progress import Progress
+from eagle3.support.progress import Progress, fmt_duration
 from eagle3.support.settings import RUNTIME
 
 log = logging.getLogger("eagle3.prepare")
@@ -772,7 +772,9 @@ def prepare_data(cfg: PrepareConfig | dict, out_dir: str | Path, on_update=None)
             datasets.enable_progress_bars()
     stats_path = atomic_write_json(out_dir / "stats.json", stats)
     elapsed = time.monotonic() - t0
-    progress.emit(f"kept {kept.count:,}/{tally.read:,} rows, skipped {stats['samples_skipped']:,}")
+    progress.finish()
+    log.info("[data] kept %s of %s rows read (%s skipped); dataset written in %s", f"{kept.count:,}",
+             f"{tally.read:,}", f"{stats['samples_skipped']:,}", fmt_duration(elapsed))
     prepared = PreparedData(
         out_dir=str(out_dir), dataset_path=str(dataset_path), stats_path=str(stats_path),
         fingerprint=content_fingerprint(dataset_path, stats),

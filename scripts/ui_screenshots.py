@@ -1,6 +1,6 @@
 """Headless-Chromium screenshots of a flow run in the Prefect UI, each at the full height of its content: the run page
-(task graph + task list), its Logs and Artifacts tabs, and every artifact's own page. It refuses to report success
-when a page shows an error instead of the run.
+(task graph + task list), its Logs and Artifacts tabs, the V1 UI's run page (its graph marks every artifact), and
+every artifact's own page. It refuses to report success when a page shows an error instead of the run.
 
     # a run on an existing server (the UI is served by the API's host):
     .venv/bin/python scripts/ui_screenshots.py --api-url http://127.0.0.1:4290/api --flow-run <id> --out shots/
@@ -8,7 +8,7 @@ when a page shows an error instead of the run.
     # (stage tasks whose lines come from a thread and a subprocess, artifacts), then take the screenshots:
     .venv/bin/python scripts/ui_screenshots.py --demo --out shots/
 
-Writes <out>/flow-run-<id>-{task-runs,logs,artifacts}.png and -artifact-<key>.png (one per artifact), prints each
+Writes <out>/flow-run-<id>-{task-runs,logs,artifacts,v1}.png and -artifact-<key>.png (one per artifact), prints each
 path, and writes the text each page showed to <out>/flow-run-<id>-pages.json. Before any page it asks the server's /ui-settings where the UI in a browser will call the API: a server started
 on another port than 4200 without PREFECT_UI_API_URL serves a UI that calls port 4200, and every page says "Unable to
 connect". Each page is then read (its text, through the DevTools protocol) until it shows what the API says it must
@@ -313,6 +313,10 @@ def shoot_flow_run(ui_url: str, api_url: str, flow_run_id: str, out_dir: Path) -
               "artifacts": [facts["name"], *(key for key, _ in facts["artifacts"])]}
     pages = [(f"run page ({suffix})", run_page(ui_url, flow_run_id, tab), expect[suffix],
               facts["last_log"] if suffix == "logs" else None, suffix) for suffix, tab in TABS.items()]
+    # the V1 UI's run page: its graph draws the tasks' artifact badges legibly and a marker for the flow's own
+    # artifacts (run-summary), which the V2 graph does not; its Logs tab names each line's task run
+    pages.append(("run page, V1 UI (graph with artifact markers, logs)", f"{ui_url}/runs/flow-run/{flow_run_id}",
+                  [facts["name"]], None, "v1"))
     pages += [(f"artifact {key}", f"{ui_url}/v2/artifacts/artifact/{aid}", [key], None, f"artifact-{key}")
               for key, aid in facts["artifacts"]]
     shots: dict[str, Shot] = {}

@@ -268,6 +268,8 @@ def test_progress_lines_start_at_once_and_count_what_the_stage_really_processes(
         assert progress[-1].startswith(f"[data] {first_total} (100.0%)"), progress
         unit, total = first_total.split(" ")[0], first_total.split("/")[1]
         assert progress[0].startswith(f"[data] {unit} 1/{total} ") and "ETA" not in progress[0], progress
+        assert sum(f"{unit} {total}/{total} (100.0%)" in p for p in progress) == 1, progress  # said once
+        assert lines[-1].startswith("[data] kept "), lines
 
 
 def test_overlong_skip_and_truncate_are_counted(tmp_path):

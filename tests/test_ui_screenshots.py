@@ -55,7 +55,8 @@ def test_demo_run_page_logs_and_artifacts_at_full_height(chromium, tmp_path):
     (pages_json,) = (tmp_path / "shots").glob("flow-run-*-pages.json")
     pages = json.loads(pages_json.read_text())
     assert set(pages) == {"run page (task-runs)", "run page (logs)", "run page (artifacts)",
-                          "artifact demo-summary", "artifact demo-table"}, set(pages)
+                          "run page, V1 UI (graph with artifact markers, logs)", "artifact demo-summary",
+                          "artifact demo-table"}, set(pages)
     for what, page in pages.items():
         width, height = _png_size(page["path"])
         assert (width, height) == (1600, page["height"]) and page["whole"], (what, width, height, page)

@@ -87,6 +87,12 @@ class Progress:
             self.logger.info("[%s] %s", self.stage, text)
             self._last_t = now
 
+    def finish(self) -> None:
+        """The last line, unless the last line already said where the count ended (a stage that stopped short of
+        its total, skipped rows, still gets its final count)."""
+        if self._last_n != self.done or self._rate_from is None:
+            self.emit()
+
     def emit(self, extra: str = "") -> str:
         text = self.line(extra)
         self.logger.info(text)

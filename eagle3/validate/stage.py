@@ -240,7 +240,7 @@ def validate_draft(cfg: ValidateConfig, checkpoint: DraftCheckpoint | str | os.P
     paths = report["paths"] = write_report(out_dir, report)
     log.info("[validate] %s", verdict_line(report))
     for c in criteria:
-        log.info("[validate]   %s: %s (required: %s) -> %s", c.name, c.measured, c.required, c.result)
+        log.info("[validate]   %s | %s: %s | required: %s", c.result, c.name, c.measured, c.required)
     for r in reasons:
         log.info("[validate]   reason: %s", r)
     vllm = report.get("vllm") or {}
