@@ -32,12 +32,25 @@ def for_people(rows: list[dict]) -> list[dict]:
     return [{k: sig(v) for k, v in row.items()} for row in rows]
 
 
+# about the longest cell the UI's artifact table showed whole in 1600 px wide screenshots (its cells do not wrap;
+# validation-acceptance's 70-90 character cells were cut off)
+TABLE_CELL_CHARS = 60
+
+
 def table(key: str, rows: list[dict], description: str) -> None:
+    """A table artifact of short cells. The UI cuts a long cell off at the table's width (it does not wrap it): what
+    is long belongs in the description or a markdown artifact; a long cell is logged as a warning."""
     if not _in_run() or not rows:
         return
     from prefect.artifacts import create_table_artifact
 
-    create_table_artifact(key=key, table=for_people(rows), description=description)
+    rows = for_people(rows)
+    for row in rows:
+        for name, cell in row.items():
+            if len(cell) > TABLE_CELL_CHARS:
+                log.warning("artifact %s: its %s cell %r has %d characters; the UI cuts it off at %d", key, name,
+                            cell[:80], len(cell), TABLE_CELL_CHARS)
+    create_table_artifact(key=key, table=rows, description=description)
 
 
 def markdown(key: str, text: str, description: str) -> None:

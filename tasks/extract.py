@@ -42,6 +42,6 @@ def extract_hidden_states_task(cfg: ExtractConfig, verifier: VerifierIdentity, p
         {"metric": "store size on disk", "value": size(r.bytes_on_disk)},
         {"metric": "tokens per second", "value": r.tokens_per_second},
         {"metric": "token budget history (padded tokens per batch)", "value": str(r.token_budget_history)},
-        *({"metric": "vLLM log (its whole output)", "value": path} for path in r.vllm_logs),
-    ], description=f"Hidden states of shard {r.shard} into {r.store_path}")
+    ], description=f"Hidden states of shard {r.shard} into {r.store_path}"
+       + "".join(f"; vLLM's whole output: {path}" for path in r.vllm_logs))
     return r

@@ -13,7 +13,7 @@ from prefect import task
 
 from eagle3.config import HostConfig
 from eagle3.prepare import DataSources
-from eagle3.support.display import measured
+from eagle3.support.display import NOT_MEASURED, measured, sig
 from eagle3.train.stage import DraftCheckpoint
 from eagle3.validate.config import ValidateConfig
 from eagle3.validate.report import ACCEPTANCE_IMAGE
@@ -24,24 +24,39 @@ from tasks.common import gpu_guard, stage_dir, stage_task
 from tasks.logs import logs_from_all_threads
 
 
-def publish(report: ValidationReport) -> None:
-    """The validation's UI artifacts: the verdict with each criterion and the acceptance figures (a table), and the
-    report (its chart inline)."""
-    rows = [{"figure": "verdict", "value": report.verdict_line()}]
-    rows += [{"figure": f"criterion: {c.name}", "value": f"{c.result}: {c.measured} (required: {c.required})"}
-             for c in report.criteria]
+def acceptance_rows(report: ValidationReport) -> list[dict]:
+    """The validation-acceptance table: the verdict's outcome counts and the acceptance figures, in short cells and
+    few rows (a table cell does not wrap in the UI, and it shows 10 rows a page). The criteria that were not met are
+    named in the table's description; each criterion's requirement and measured value are in the report."""
+    counts: dict[str, int] = {}
+    for c in report.criteria:
+        counts[c.result] = counts.get(c.result, 0) + 1
+    outcomes = ", ".join(f"{n} {result}" for result, n in counts.items())
+    rows = [{"figure": "verdict", "value": f"{report.verdict.upper()} ({outcomes})" if outcomes else
+             report.verdict.upper()}]
     if report.mean_acceptance_length is not None:
         rows += [{"figure": "mean acceptance length (vLLM)", "value": measured(report.mean_acceptance_length,
-                                                                               PER_STEP)}]
+                                                                               PER_STEP)},
+                 {"figure": "mean acceptance length, untrained draft", "value": measured(
+                     report.untrained_mean_acceptance_length, PER_STEP)}]
         rows += [{"figure": f"acceptance at position {i + 1} (share of verifier steps)", "value": r}
                  for i, r in enumerate(report.per_position_acceptance or [])]
-    rows += [{"figure": "reason", "value": r} for r in report.reasons]
-    if report.vllm_log:
-        rows += [{"figure": "vLLM log (its whole output)", "value": report.vllm_log}]
-    artifacts.table("validation-acceptance", rows, description=f"EAGLE-3 draft validation: {report.verdict_line()}")
+        rows += [{"figure": "decoding speedup (reported, not gated)",
+                  "value": NOT_MEASURED if report.decode_speedup is None else f"{sig(report.decode_speedup)}x"}]
+    return rows
+
+
+def publish(report: ValidationReport) -> None:
+    """The validation's UI artifacts: the acceptance table (``acceptance_rows``) and the report, whose verdict table
+    gives each criterion's requirement and measured value (markdown wraps), its chart inline."""
+    rows = acceptance_rows(report)
+    artifacts.table("validation-acceptance", rows, description=f"EAGLE-3 draft validation: {report.verdict_line()}; "
+                    f"each criterion's requirement and measured value: the validation-report artifact")
     md = Path(report.report_md).read_text()
     if report.acceptance_png:
         md = md.replace(ACCEPTANCE_IMAGE, artifacts.image_markdown(report.acceptance_png, "per-position acceptance"))
+    if report.vllm_log:
+        md += f"\nvLLM's whole output: `{report.vllm_log}`\n"
     artifacts.markdown("validation-report", md, description="EAGLE-3 draft validation report")
 
 

@@ -446,6 +446,14 @@ def test_run_summary_states_the_verdict_its_criteria_and_rounded_figures(tmp_pat
     assert "| untrained draft | not measured (validate.compare_untrained is off) |" in md
     assert "| lossless at temperature 0 | identical outputs (validate.require_lossless) |" in md
     assert "1.1031" not in md and "None" not in md
+    from tasks.artifacts import TABLE_CELL_CHARS
+    from tasks.validate import acceptance_rows
+
+    rows = for_people(acceptance_rows(report))  # a table cell does not wrap in the UI: short cells, one page of 10
+    assert len(rows) <= 10 and all(len(cell) <= TABLE_CELL_CHARS for row in rows for cell in row.values()), rows
+    assert rows[0] == {"figure": "verdict", "value": "PASS (4 met, 2 not gated, 2 not checked)"}, rows
+    assert {"figure": "mean acceptance length (vLLM)", "value": "1.10 tokens per verifier step"} in rows
+    assert {"figure": "mean acceptance length, untrained draft", "value": "not measured"} in rows
     assert for_people([{"metric": "sim accept", "value": 1.2126719199790643}, {"metric": "x", "value": None},
                        {"metric": "tokens", "value": 11828}]) == [
         {"metric": "sim accept", "value": "1.21"}, {"metric": "x", "value": "not measured"},
