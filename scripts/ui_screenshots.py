@@ -267,9 +267,12 @@ def _first_line(message: str, n: int = 60) -> str:
     return message.strip().splitlines()[0][:n] if message.strip() else ""
 
 
+LOG_LINES_CHECKED = 200  # the Logs screenshot must reach this line of a longer run (~300 rows fit in MAX_HEIGHT_PX)
+
+
 def _run_facts(flow_run_id: str) -> dict:
-    """What the API says the run's pages must show: its name, its task runs, its first and last log lines, its
-    artifacts."""
+    """What the API says the run's pages must show: its name, how many task runs it has and its newest one (the list
+    shows 10 a page, newest first), its first log line and the last of its first LOG_LINES_CHECKED, its artifacts."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
         ArtifactFilter,
@@ -279,19 +282,23 @@ def _run_facts(flow_run_id: str) -> dict:
         LogFilter,
         LogFilterFlowRunId,
     )
-    from prefect.client.schemas.sorting import LogSort
+    from prefect.client.schemas.sorting import LogSort, TaskRunSort
 
     with get_client(sync_client=True) as client:
         run = client.read_flow_run(flow_run_id)
-        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])),
+                                      sort=TaskRunSort.EXPECTED_START_TIME_DESC)
         logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])),
-                                sort=LogSort.TIMESTAMP_ASC)
+                                sort=LogSort.TIMESTAMP_ASC, limit=LOG_LINES_CHECKED + 1)
         artifacts = client.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
-    lines = [m for m in (_first_line(entry.message) for entry in logs) if m]
+    lines = [m for m in (_first_line(entry.message) for entry in logs[:LOG_LINES_CHECKED]) if m]
     unique = [m for m in lines if sum(_flat(m) in _flat(other) for other in lines) == 1]
-    return {"name": run.name, "tasks": sorted(t.name for t in tasks), "first_log": lines[:1],
-            "last_log": unique[-1] if unique else None,
+    if len(logs) > LOG_LINES_CHECKED:
+        print(f"the run has more than {LOG_LINES_CHECKED} log lines: the Logs screenshot is checked up to that one",
+              flush=True)
+    task_list = [f"{len(tasks)} Task run", *(t.name for t in tasks[:1])] if tasks else []
+    return {"name": run.name, "tasks": task_list, "first_log": lines[:1], "last_log": unique[-1] if unique else None,
             "artifacts": [(a.key or str(a.id), str(a.id)) for a in artifacts]}
 
 
@@ -308,7 +315,7 @@ def shoot_flow_run(ui_url: str, api_url: str, flow_run_id: str, out_dir: Path) -
     check_ui_api(ui_url, api_url)
     facts = _run_facts(flow_run_id)
     out_dir.mkdir(parents=True, exist_ok=True)
-    expect = {"task-runs": [facts["name"], *facts["tasks"][:10]],  # the list's first page holds 10
+    expect = {"task-runs": [facts["name"], *facts["tasks"]],
               "logs": [facts["name"], *facts["first_log"]],
               "artifacts": [facts["name"], *(key for key, _ in facts["artifacts"])]}
     pages = [(f"run page ({suffix})", run_page(ui_url, flow_run_id, tab), expect[suffix],
