@@ -267,7 +267,7 @@ def _first_line(message: str, n: int = 60) -> str:
     return message.strip().splitlines()[0][:n] if message.strip() else ""
 
 
-LOG_LINES_CHECKED = 200  # the Logs screenshot must reach this line of a longer run (~300 rows fit in MAX_HEIGHT_PX)
+LOG_LINES_CHECKED = 200  # the API's largest page; the Logs screenshot must reach this line (~300 rows fit in 16,000 px)
 
 
 def _run_facts(flow_run_id: str) -> dict:
@@ -289,14 +289,14 @@ def _run_facts(flow_run_id: str) -> dict:
         tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])),
                                       sort=TaskRunSort.EXPECTED_START_TIME_DESC)
         logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])),
-                                sort=LogSort.TIMESTAMP_ASC, limit=LOG_LINES_CHECKED + 1)
+                                sort=LogSort.TIMESTAMP_ASC, limit=LOG_LINES_CHECKED)
         artifacts = client.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
-    lines = [m for m in (_first_line(entry.message) for entry in logs[:LOG_LINES_CHECKED]) if m]
+    lines = [m for m in (_first_line(entry.message) for entry in logs) if m]
     unique = [m for m in lines if sum(_flat(m) in _flat(other) for other in lines) == 1]
-    if len(logs) > LOG_LINES_CHECKED:
-        print(f"the run has more than {LOG_LINES_CHECKED} log lines: the Logs screenshot is checked up to that one",
-              flush=True)
+    if len(logs) == LOG_LINES_CHECKED:
+        print(f"the run may have more than {LOG_LINES_CHECKED} log lines: the Logs screenshot is checked up to the "
+              f"{LOG_LINES_CHECKED}th", flush=True)
     task_list = [f"{len(tasks)} Task run", *(t.name for t in tasks[:1])] if tasks else []
     return {"name": run.name, "tasks": task_list, "first_log": lines[:1], "last_log": unique[-1] if unique else None,
             "artifacts": [(a.key or str(a.id), str(a.id)) for a in artifacts]}
