@@ -38,6 +38,7 @@ from eagle3.extract.store import SAMPLE_METADATA, TOKEN_TENSORS, is_scaled, samp
 from eagle3.prepare import PreparedData, load_prepared
 from eagle3.regenerate.config import RegenerateConfig
 from eagle3.support.artifacts import Artifact, file_problem
+from eagle3.support.display import sig, size
 from eagle3.support.dtypes import device_type, dtype, from_safetensors
 from eagle3.support.io import atomic_write_json, sha256_file, sha256_json
 from eagle3.support.progress import fmt_duration
@@ -156,7 +157,9 @@ class StorePlan(BaseModel):
 
 
 def _bytes(n: int) -> str:
-    return f"{n:,} bytes ({n / 1e9:,.2f} GB, {n / 2**30:,.2f} GiB)"
+    """Exact bytes, then for people (eagle3.support.display): 29,071,893 bytes (29.1 MB); GiB too from 1 GiB up."""
+    gib = f", {sig(n / 2**30)} GiB" if n >= 2**30 else ""
+    return f"{n:,} bytes ({size(n)}{gib})"
 
 
 def safetensors_header_bytes(
@@ -323,7 +326,7 @@ def plan_store(
         load_s, load_src = cfg.model_load_seconds, "configured"
     elif weight_bytes is not None:
         load_s = weight_bytes / cfg.model_load_bytes_per_second
-        load_src = f"{weight_bytes / 1e9:,.2f} GB of weights at {cfg.model_load_bytes_per_second / 1e6:,.0f} MB/s"
+        load_src = f"{size(weight_bytes)} of weights at {cfg.model_load_bytes_per_second / 1e6:,.0f} MB/s"
     else:
         load_s, load_src = 0.0, "no safetensors weights found"
         warnings.append(f"no safetensors weights in {spec.path}: model load time counted as 0 s")

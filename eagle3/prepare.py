@@ -66,7 +66,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from eagle3.support.artifacts import Artifact, file_problem
 from eagle3.support.chat import FORMATS, canonical_role, detect_format
 from eagle3.support.io import atomic_path, atomic_write_json, fingerprint_paths, sha256_file, sha256_json
-from eagle3.support.progress import Progress
+from eagle3.support.progress import Progress, fmt_duration
 from eagle3.support.settings import RUNTIME
 
 log = logging.getLogger("eagle3.prepare")
@@ -662,6 +662,8 @@ def prepare_data(cfg: PrepareConfig | dict, out_dir: str | Path, on_update=None)
     cfg = PrepareConfig.model_validate(cfg)
     out_dir = Path(out_dir)
     t0 = time.monotonic()
+    log.info("[data] reading %s with the tokenizer of %s%s", ", ".join(map(str, cfg.sources)), cfg.tokenizer_path,
+             f" (the first {cfg.max_samples:,} usable samples)" if cfg.max_samples else "")
     tokenizer, template = load_chat_tokenizer(cfg.tokenizer_path, cfg.chat_template, cfg.trust_remote_code)
     encoder = ChatEncoder(tokenizer, template, cfg.mask_method, name=repr(cfg.tokenizer_path))
 
@@ -672,9 +674,14 @@ def prepare_data(cfg: PrepareConfig | dict, out_dir: str | Path, on_update=None)
         materialised = list(rows)
         random.Random(cfg.shuffle_seed).shuffle(materialised)
         rows = iter(materialised)
-    # progress counts kept samples when streaming (the row count is unknown: total 0 = open-ended), rows otherwise
-    progress = Progress("data", (cfg.max_samples or 0) if lazy else len(materialised),
-                        unit="samples" if lazy else "rows", every_s=30.0, on_update=on_update)
+    # progress counts what the stage will really process: rows when every row is read (shuffled, no cap), kept
+    # samples up to the cap otherwise (a stream without a cap: total 0 = open-ended)
+    count_rows = not lazy and not cfg.max_samples
+    if count_rows:
+        total = len(materialised)
+    else:
+        total = min(cfg.max_samples, len(materialised)) if not lazy and cfg.max_samples else (cfg.max_samples or 0)
+    progress = Progress("data", total, unit="rows" if count_rows else "samples", every_s=30.0, on_update=on_update)
 
     tally = _Tally()
     kept = _Kept()
@@ -716,7 +723,7 @@ def prepare_data(cfg: PrepareConfig | dict, out_dir: str | Path, on_update=None)
                         res = BadRow("no_assistant_tokens")
             if isinstance(res, BadRow):
                 tally.bad(index, res.reason)
-                progress.update(0 if lazy else 1)
+                progress.update(1 if count_rows else 0)
                 continue
             kept.add(index, res)
             progress.update(1, tokens=len(res.input_ids))
@@ -765,7 +772,9 @@ def prepare_data(cfg: PrepareConfig | dict, out_dir: str | Path, on_update=None)
             datasets.enable_progress_bars()
     stats_path = atomic_write_json(out_dir / "stats.json", stats)
     elapsed = time.monotonic() - t0
-    progress.emit(f"kept {kept.count:,}/{tally.read:,} rows, skipped {stats['samples_skipped']:,}")
+    progress.finish()
+    log.info("[data] kept %s of %s rows read (%s skipped); dataset written in %s", f"{kept.count:,}",
+             f"{tally.read:,}", f"{stats['samples_skipped']:,}", fmt_duration(elapsed))
     prepared = PreparedData(
         out_dir=str(out_dir), dataset_path=str(dataset_path), stats_path=str(stats_path),
         fingerprint=content_fingerprint(dataset_path, stats),

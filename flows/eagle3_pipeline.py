@@ -32,6 +32,10 @@ from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
 logging.getLogger("eagle3").setLevel(logging.INFO)  # progress lines are INFO; Prefect's root logger is at WARNING
 
+from tasks.logs import tag_run_logs
+
+tag_run_logs()  # every line the run sends to the UI starts with the stage (task) or flow that wrote it
+
 from eagle3.config import (
     ConfigError,
     PipelineConfig,
@@ -48,6 +52,8 @@ from eagle3.support.subproc import start_reaper
 from tasks import artifacts
 from tasks.capacity import plan_capacity_task
 from tasks.common import (
+    describe_prompts_task,
+    describe_regenerated_task,
     describe_sources_task,
     describe_tokenizer_task,
     describe_verifier_task,
@@ -123,7 +129,7 @@ def _front(config: PipelineConfig, s: dict, regenerated_only_if_cached: bool = F
         prepare_regen = prepare.model_copy(update={"sources": [regenerated.conversations_path], "format": "openai",
                                                    "shuffle_seed": None, "max_samples": None})
         prepared = run_stage(s["prepare-regenerated"], cfg=prepare_regen,
-                             sources=describe_sources_task([regenerated.conversations_path]), tokenizer=tokenizer,
+                             sources=describe_regenerated_task([regenerated.conversations_path]), tokenizer=tokenizer,
                              run_dir=config.run_dir)
     return verifier, prepared, plan
 
@@ -140,7 +146,7 @@ def eagle3_pipeline(config: PipelineConfig = DEFAULT_CONFIG, overrides: dict[str
                       run_dir=config.run_dir)
     checkpoint = run_stage(s["train-draft"], cfg=config.train_config(), store=store, vocab=vocab,
                            run_dir=config.run_dir, host=config.host)
-    prompts = describe_sources_task([resolve_path(config.validate_config.prompts_path)])
+    prompts = describe_prompts_task([resolve_path(config.validate_config.prompts_path)])
     report = run_stage(s["validate-draft"], cfg=config.validate_config, checkpoint=checkpoint, prompts=prompts,
                        run_dir=config.run_dir, host=config.host)
     summary = {"run_dir": config.run_dir, "checkpoint": checkpoint.checkpoint_dir, "report": report.report_md,

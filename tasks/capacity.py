@@ -7,6 +7,8 @@ from eagle3.draft.config import DraftArchitecture
 from eagle3.extract.config import ExtractConfig
 from eagle3.prepare import PreparedData
 from eagle3.regenerate.config import RegenerateConfig
+from eagle3.support.display import size
+from eagle3.support.progress import fmt_duration
 from eagle3.support.verifier import VerifierIdentity
 from tasks import artifacts
 from tasks.common import stage_dir, stage_task
@@ -23,6 +25,18 @@ def plan_capacity_task(cfg: CapacityConfig, extract: ExtractConfig, verifier: Ve
     """
     out_dir = stage_dir(run_dir, "plan-capacity")
     plan = plan_capacity(cfg, extract, verifier, prepared, run_dir, out_dir, regenerate, draft)
-    artifacts.markdown("capacity-plan", f"# Capacity plan\n\n```\n{plan.summary}\n```\n",
+    artifacts.markdown("capacity-plan", plan_markdown(plan),
                        description="Hidden-state store size, free space and time estimate")
     return plan
+
+
+def plan_markdown(plan: CapacityPlan) -> str:
+    """The plan for the UI: the verdict and its figures first, then each line of the plan as a list item (prose
+    wraps at the UI's width; a code block would cut its long lines off)."""
+    verdict = {True: "fits", False: "DOES NOT FIT", None: "free space unknown"}[plan.fits]
+    first, *rest = plan.summary.splitlines()
+    return "\n".join([
+        f"# Capacity plan: {verdict}", "",
+        (f"**The hidden-state store needs {size(plan.required_free_bytes)} with the margin; "
+         f"{size(plan.free_bytes)} free. Estimated time: {fmt_duration(plan.estimated_seconds)} (h:mm:ss).**"), "",
+        first, "", *(f"- {line.strip()}" for line in rest), ""])

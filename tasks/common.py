@@ -169,8 +169,13 @@ def describe_verifier_task(verifier_path: str) -> VerifierIdentity:
 
 @task(name="describe-sources")
 def describe_sources_task(sources: list[str]) -> DataSources:
-    """Content fingerprint of data sources (the chat datasets, the validation prompts)."""
+    """Content fingerprint of the training data sources (the chat datasets)."""
     return describe_sources(sources)
+
+
+# the same description of other inputs, under their own names in the run's task list and logs
+describe_regenerated_task = describe_sources_task.with_options(name="describe-regenerated")  # the verifier's answers
+describe_prompts_task = describe_sources_task.with_options(name="describe-prompts")  # the validation prompts
 
 
 @task(name="describe-tokenizer")

@@ -13,6 +13,7 @@ from eagle3.config import HostConfig
 from eagle3.extract.config import ExtractConfig
 from eagle3.extract.stage import HiddenStates, extract_hidden_states
 from eagle3.prepare import PreparedData
+from eagle3.support.display import size
 from eagle3.support.verifier import VerifierIdentity
 from tasks import artifacts
 from tasks.common import attempt_batch_scale, gpu_guard, stage_dir, stage_task
@@ -37,10 +38,10 @@ def extract_hidden_states_task(cfg: ExtractConfig, verifier: VerifierIdentity, p
         {"metric": "samples resumed (already stored)", "value": r.samples_resumed},
         {"metric": "samples skipped (do not fit in memory)", "value": r.samples_unfittable_count},
         {"metric": "tokens written (this run)", "value": r.tokens_written},
-        {"metric": "store samples / tokens", "value": f"{r.samples_stored} / {r.store_tokens}"},
-        {"metric": "bytes on disk (store)", "value": r.bytes_on_disk},
-        {"metric": "tokens per second", "value": round(r.tokens_per_second, 1)},
+        {"metric": "store samples / tokens", "value": f"{r.samples_stored:,} / {r.store_tokens:,}"},
+        {"metric": "store size on disk", "value": size(r.bytes_on_disk)},
+        {"metric": "tokens per second", "value": r.tokens_per_second},
         {"metric": "token budget history (padded tokens per batch)", "value": str(r.token_budget_history)},
-        *({"metric": "vLLM log (its whole output)", "value": path} for path in r.vllm_logs),
-    ], description=f"Hidden states of shard {r.shard} into {r.store_path}")
+    ], description=f"Hidden states of shard {r.shard} into {r.store_path}"
+       + "".join(f"; vLLM's whole output: {path}" for path in r.vllm_logs))
     return r

@@ -64,11 +64,13 @@ def apply_prefect_env_defaults(environ: MutableMapping[str, str] = os.environ) -
 
 
 def start_local_server(home: Path, ui: bool = False, extra_env: Mapping[str, str] | None = None,
-                       ) -> tuple[subprocess.Popen, dict[str, str]]:
+                       ui_api_url: str | None = None) -> tuple[subprocess.Popen, dict[str, str]]:
     """``prefect server start`` on a free loopback port, SQLite under ``home`` (its PREFECT_HOME), every service
     (automations included), output to ``home/server.log``; returns once /api/health answers (within
     EPHEMERAL_STARTUP_TIMEOUT_SECONDS) with the process (its own process group) and the environment that points
     CLI calls and flow processes at it. For tests and scripts/ui_screenshots.py; stop it with ``stop_process_group``.
+    ``ui_api_url``: where the UI in a browser calls the API (default: this server's API; another value reproduces a
+    server whose UI cannot reach it).
     """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -77,7 +79,7 @@ def start_local_server(home: Path, ui: bool = False, extra_env: Mapping[str, str
     env = apply_prefect_env_defaults({
         **os.environ, **(extra_env or {}), "PREFECT_HOME": str(home), "PREFECT_API_URL": api,
         "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_UI_ENABLED": "true" if ui else "false",
-        "PREFECT_UI_API_URL": api,  # where the UI in a browser finds the API (its default is port 4200)
+        "PREFECT_UI_API_URL": ui_api_url or api,  # where the UI in a browser finds the API (its default: port 4200)
     })
     prefect_cli = str(Path(sys.executable).parent / "prefect")
     with open(Path(home) / "server.log", "ab") as log:

@@ -34,12 +34,12 @@ def train_draft_task(cfg: TrainConfig, store: HiddenStates, vocab: VocabMapping,
          "value": untrained.get("sim_accept_len")},
         {"metric": "validation simulated acceptance length, final (tokens)", "value": final.get("sim_accept_len")},
         {"metric": "validation chain acceptance length, final (tokens)", "value": final.get("chain_accept_len")},
-        *({"metric": f"validation accuracy, TTT step {k}", "value": round(a, 4)}
+        *({"metric": f"validation accuracy, TTT step {k} (share of tokens)", "value": a}
           for k, a in enumerate(final.get("acc_per_step", []))),
         {"metric": "best epoch", "value": r.best_epoch},
         {"metric": "optimizer steps", "value": r.global_step},
         {"metric": "tokens seen", "value": r.tokens_seen},
-        {"metric": "packing efficiency (real tokens / slots)", "value": round(r.packing_efficiency, 4)},
+        {"metric": "packing efficiency (real tokens / slots)", "value": r.packing_efficiency},
     ], description=f"Draft training in {out_dir}")
     if r.plots:
         artifacts.markdown("train-curves", "\n\n".join(artifacts.image_markdown(p, Path(p).stem) for p in r.plots),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from eagle3.prepare import PreparedData
+from eagle3.support.display import percent
 from eagle3.support.verifier import VerifierIdentity
 from eagle3.vocab import VocabConfig, VocabMapping, build_vocab
 from tasks import artifacts
@@ -20,6 +21,6 @@ def build_vocab_task(cfg: VocabConfig, verifier: VerifierIdentity, prepared: Pre
         {"metric": "target vocab size (tokens)", "value": vocab.target_vocab_size},
         {"metric": "distinct assistant tokens seen", "value": vocab.distinct_tokens_seen},
         {"metric": "assistant-token occurrences", "value": vocab.assistant_token_occurrences},
-        {"metric": "coverage of occurrences", "value": round(vocab.coverage, 6)},
+        {"metric": "coverage of assistant-token occurrences", "value": percent(vocab.coverage)},
     ], description="Draft vocabulary coverage")
     return vocab

@@ -245,6 +245,33 @@ def test_max_samples_and_seeded_shuffle_are_deterministic(tmp_path):
     assert stats["samples_read"] == 40
 
 
+def test_progress_lines_start_at_once_and_count_what_the_stage_really_processes(tmp_path, caplog):
+    """Issue 20: a shuffled, capped run's only progress line read "rows 60/2,115 (2.8%) ... ETA" although the cap
+    ended the stage at 60. The stage says what it reads as it starts, its first progress line comes with the first
+    batch, and the total is the cap (kept samples; a skipped row does not advance it)."""
+    import logging
+
+    rows = [{"messages": [{"role": "user", "content": f"Question number {i}?"},
+                          {"role": "assistant", "content": f"Answer number {i}."}]} for i in range(300)]
+    rows[3] = {"messages": [{"role": "user", "content": "no answer"}]}
+    src = str(write_jsonl(tmp_path / "rows.jsonl", rows))
+    for name, kw, first_total in [("capped", {"max_samples": 20, "shuffle_seed": 0}, "samples 20/20"),
+                                  ("streamed", {"max_samples": 20}, "samples 20/20"),
+                                  ("all", {"shuffle_seed": 0}, "rows 300/300")]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="eagle3"):  # the stage's own logger and Progress's
+            prepare_data({"sources": [src], "tokenizer_path": str(BUNDLED_TOKENIZER), **kw}, tmp_path / name)
+        lines = [r.getMessage() for r in caplog.records if r.name.startswith("eagle3")]
+        assert lines[0].startswith(f"[data] reading {src} with the tokenizer of"), lines
+        progress = [line for line in lines if line.startswith(("[data] rows", "[data] samples"))]
+        assert progress and all(first_total.split("/")[1] + " (" in p for p in progress), progress
+        assert progress[-1].startswith(f"[data] {first_total} (100.0%)"), progress
+        unit, total = first_total.split(" ")[0], first_total.split("/")[1]
+        assert progress[0].startswith(f"[data] {unit} 1/{total} ") and "ETA" not in progress[0], progress
+        assert sum(f"{unit} {total}/{total} (100.0%)" in p for p in progress) == 1, progress  # said once
+        assert lines[-1].startswith("[data] kept "), lines
+
+
 def test_overlong_skip_and_truncate_are_counted(tmp_path):
     short = CONVERSATIONS[0]
     long_reply = [{"role": "user", "content": "Tell me everything."},

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import time
 
@@ -66,6 +67,12 @@ def test_deployment_run_end_to_end_then_fully_cached(prefect_server, tmp_path):
     for key in ("dataset-stats", "capacity-plan", "vocab-coverage", "extract-progress", "extract-summary",
                 "train-summary", "train-curves", "validation-acceptance", "validation-report"):
         assert key in first["artifact_keys"], (key, first["artifact_keys"])
+    # in a worker's flow process too, every line of the flow's starts with the stage (task) or flow that wrote it;
+    # before it, only Prefect's worker and engine write (submission, pull steps)
+    for run in (first, second):
+        assert set(run["log_tags"]) <= {"eagle3-pipeline", "describe-verifier", "describe-sources",
+                                        "describe-tokenizer", "describe-prompts", *stages}, run["log_tags"]
+        assert all(name.startswith("prefect.") for name in run["pre_flow_loggers"]), run["pre_flow_loggers"]
 
 
 STAGES = {"prepare-data", "plan-capacity", "extract-hidden-states", "build-vocab", "train-draft", "validate-draft"}
@@ -87,6 +94,8 @@ async def _read_runs(deadline_s: float = 60.0) -> list[dict]:
         FlowFilterName,
         FlowRunFilter,
         FlowRunFilterId,
+        LogFilter,
+        LogFilterFlowRunId,
     )
     from prefect.client.schemas.sorting import FlowRunSort
 
@@ -110,6 +119,14 @@ async def _read_runs(deadline_s: float = 60.0) -> list[dict]:
                 states[tr.name.rsplit("-", 1)[0]] = tr.state.name  # run names are "<task name>-<suffix>"
             arts = await client.read_artifacts(
                 artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr.id])))
+            logs = sorted(await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[fr.id]))),
+                          key=lambda entry: entry.timestamp)
+            # the worker's and the engine's lines before the flow starts (submission, deployment pull steps) come
+            # before any code of ours runs in that process: the lines from the flow's first one on carry the tags
+            start = next((i for i, e in enumerate(logs) if "Beginning flow run" in e.message), 0)
             result.append({"state": fr.state.type.value, "name": fr.name, "task_states": states,
-                           "artifact_keys": sorted({a.key for a in arts if a.key})})
+                           "artifact_keys": sorted({a.key for a in arts if a.key}),
+                           "log_tags": sorted({m.group(1) if (m := re.match(r"\[([\w.-]+)\] ", entry.message))
+                                               else f"untagged: {entry.message[:80]}" for entry in logs[start:]}),
+                           "pre_flow_loggers": sorted({entry.name for entry in logs[:start]})})
         return result

@@ -58,6 +58,20 @@ def test_stage_tasks_return_small_typed_artifacts_with_existing_outputs(front):
     assert vocab.draft_vocab_size == 256 and 0 < vocab.coverage <= 1
 
 
+def test_capacity_artifact_opens_with_its_verdict_and_wraps_at_the_ui_width(front):
+    """Issue 20: the capacity-plan artifact was a code block whose long lines the UI cut off on the right, the
+    "fits" verdict with them. It now opens with the verdict and its figures, and each plan line is a list item."""
+    from tasks.capacity import plan_markdown
+
+    cfg, verifier, prepared, run_dir = front
+    plan = plan_capacity_task.fn(cfg.capacity, cfg.extract_config(), verifier, prepared, run_dir)
+    md = plan_markdown(plan)
+    assert md.startswith("# Capacity plan: fits\n") and "```" not in md
+    assert "**The hidden-state store needs " in md and " free. Estimated time: " in md
+    for line in plan.summary.splitlines()[1:]:
+        assert f"- {line.strip()}" in md
+
+
 def test_stage_folder_and_key_follow_content_not_paths(front):
     cfg, verifier, prepared, run_dir = front
     base = {"cfg": cfg.vocab, "verifier": verifier, "prepared": prepared, "run_dir": run_dir}

@@ -346,8 +346,8 @@ def test_write_report_files(tmp_path):
     assert back["paths"] == paths and back["verdict"] == "pass"
     md = Path(paths["report_md"]).read_text()
     assert "| figure | vLLM | vLLM, untrained draft | offline reference |" in md
-    assert "| mean acceptance length | 2.250 | 1.100 | 2.300 |" in md
-    assert "| acceptance at position 3 | 0.250 | 0.000 | 0.250 |" in md
+    assert "| mean acceptance length | 2.25 | 1.10 | 2.30 |" in md  # 3 significant digits (eagle3.support.display)
+    assert "| acceptance at position 3 | 0.250 | 0 | 0.250 |" in md
     assert "**PASS**" in md and "acceptance.png" in md
 
 
@@ -367,11 +367,125 @@ def test_report_flags_a_speedup_whose_repeats_disagree():
     rep["vllm"]["speed"] = {"repeats": 3, "speedup": 1.05, "draft_output_tokens_per_second": [100.0, 104.0, 98.0],
                             "baseline_output_tokens_per_second": [95.0, 97.0, 99.0]}
     md = render_markdown(rep)
-    assert "speedup **1.050x**" in md and "not reliable" not in md
+    assert "speedup **1.05x**" in md and "not reliable" not in md
     rep["vllm"]["speed"] = {"repeats": 3, "speedup": 20.7, "draft_output_tokens_per_second": [30.0, 620.0, 660.0],
                             "baseline_output_tokens_per_second": [30.0, 31.0, 29.0]}
     md = render_markdown(rep)
     assert "ranged 30-660 tok/s with the draft, 29-31 tok/s without" in md and "not reliable" in md
+
+
+def _criteria(report: dict, cfg: ValidateConfig, recorded: str | None = "a" * 64) -> dict[str, dict]:
+    from eagle3.validate.verdict import judge
+
+    criteria, reasons = judge({"weights_sha256": "a" * 64, **report}, cfg, "/x/draft/model.safetensors", recorded)
+    return {c.name: c.model_dump() for c in criteria}, reasons
+
+
+def test_verdict_states_each_criterion_with_what_it_requires_and_the_value_measured():
+    """Issue 20: a PASS at mean acceptance length 1.10 said nothing of what was required. Each criterion now says
+    what passes (or that no threshold is set) and the value measured beside it, rounded for people."""
+    rep = _sample_report()
+    rep["vllm"].update(num_prompts=8, mismatches=[], speed={
+        "repeats": 3, "speedup": 0.8831, "draft_output_tokens_per_second": [47.41, 23.0, 84.0],
+        "baseline_output_tokens_per_second": [53.71, 51.0, 73.0]})
+    cfg = ValidateConfig(compare_untrained=True, offline_reference=True)  # no min_mean_acceptance_length
+    by, reasons = _criteria(rep, cfg)
+    assert reasons == []
+    assert by["mean acceptance length (vLLM)"] == {
+        "name": "mean acceptance length (vLLM)", "required": "no threshold set (validate.min_mean_acceptance_length)",
+        "measured": "2.25 tokens per verifier step", "result": "not gated"}
+    assert by["lossless at temperature 0"]["required"] == "identical outputs (validate.require_lossless)"
+    assert by["lossless at temperature 0"]["measured"].startswith("yes: all 8 outputs identical")
+    assert by["lossless at temperature 0"]["result"] == "met"
+    assert by["gain over the untrained draft"]["measured"] == "+1.15 (2.25 trained vs 1.10 untrained)"
+    assert by["offline reference agrees with vLLM"]["measured"] == "2.22% apart (offline 2.30, vLLM 2.25)"
+    assert by["offline reference agrees with vLLM"]["required"].startswith("mean acceptance lengths within 10%")
+    assert by["decoding speedup"]["measured"].startswith("0.883x: 47.4 output tokens/s with the draft vs 53.7 without")
+    assert "not reliable" in by["decoding speedup"]["measured"] and by["decoding speedup"]["result"] == "not gated"
+    assert by["weights are the ones trained"]["result"] == "met"
+    assert by["checkpoint files match vLLM's contract"]["measured"] == "ok"
+
+    by, reasons = _criteria(rep, ValidateConfig(min_mean_acceptance_length=3.0, compare_untrained=False))
+    assert by["mean acceptance length (vLLM)"]["required"] == "at least 3 (validate.min_mean_acceptance_length)"
+    assert by["mean acceptance length (vLLM)"]["result"] == "NOT met"
+    assert reasons == ["[below_threshold] vLLM mean acceptance length 2.250 < min_mean_acceptance_length 3.0"]
+    assert by["gain over the untrained draft"] == {
+        "name": "gain over the untrained draft", "required": "not compared (validate.compare_untrained is off)",
+        "measured": "not measured", "result": "not checked"}
+    assert by["offline reference agrees with vLLM"]["result"] == "not checked"
+
+    rep["vllm"].update(lossless=False, mismatches=[{"prompt": 3, "first_difference_at_token": 7}])
+    by, reasons = _criteria(rep, ValidateConfig())
+    assert by["lossless at temperature 0"]["result"] == "NOT met"
+    assert reasons == [("[not_lossless] speculative and plain greedy outputs differ on 1 of 8 prompts (first: prompt 3 "
+                        "at token 7)")]
+    by, reasons = _criteria(rep, ValidateConfig(require_lossless=False))
+    assert by["lossless at temperature 0"]["result"] == "not gated" and reasons == []
+
+    by, reasons = _criteria(rep, ValidateConfig(), recorded="b" * 64)  # weights changed since training
+    assert by["weights are the ones trained"]["result"] == "NOT met" and reasons[0].startswith("[weights_modified]")
+
+
+def test_report_opens_with_the_verdict_and_its_criteria(tmp_path):
+    from eagle3.validate.verdict import judge
+
+    rep = _sample_report()
+    rep["vllm"].update(num_prompts=8, mismatches=[])
+    criteria, reasons = judge({"weights_sha256": "a" * 64, **rep}, ValidateConfig(), "/x/model.safetensors", None)
+    rep.update(criteria=[c.model_dump() for c in criteria], reasons=reasons)
+    md = render_markdown(rep)
+    head = md.split("## Checkpoint contract")[0]
+    assert "**PASS: 3 criteria met; reported without a threshold: mean acceptance length (vLLM)" in head
+    assert "| criterion | required | measured | result |" in head
+    assert ("| mean acceptance length (vLLM) | no threshold set (validate.min_mean_acceptance_length) | "
+            "2.25 tokens per verifier step | not gated |") in head
+    assert "not checked: weights are the ones trained" in head  # a plain folder: no hash recorded at training
+
+
+def test_run_summary_states_the_verdict_its_criteria_and_rounded_figures(tmp_path):
+    """Issue 20: run-summary said PASS at "1.1031390134529149" and "untrained draft: None", without a criterion."""
+    from eagle3.validate.stage import ValidationReport
+    from eagle3.validate.verdict import judge
+    from tasks.artifacts import for_people, run_summary_markdown
+
+    rep = _sample_report()
+    rep["vllm"].update(num_prompts=8, mismatches=[])
+    rep["vllm"].pop("untrained")
+    rep["vllm"]["acceptance"]["mean_acceptance_length"] = 1.1031390134529149
+    cfg = ValidateConfig()  # compare_untrained off, no threshold
+    criteria, reasons = judge({"weights_sha256": "a" * 64, **rep}, cfg, "/x/model.safetensors", "a" * 64)
+    rep.update(criteria=[c.model_dump() for c in criteria], reasons=reasons)
+    paths = write_report(tmp_path, rep)
+    report = ValidationReport(
+        out_dir=str(tmp_path), fingerprint=sha256_file(paths["report_json"]), report_json=paths["report_json"],
+        report_md=paths["report_md"], acceptance_png=None, vllm_log=None, checkpoint_dir="/x/draft",
+        weights_sha256="a" * 64, verdict="pass", reasons=[], criteria=criteria, structural_ok=True, failure_codes=[],
+        lossless=True, mean_acceptance_length=1.1031390134529149, per_position_acceptance=None,
+        untrained_mean_acceptance_length=None, offline_mean_acceptance_length=None,
+        offline_relative_difference=None, decode_speedup=None)
+    summary = {"run_dir": "/x", "checkpoint": "/x/draft", "report": paths["report_md"], "verdict": "pass",
+               "mean_acceptance_length": 1.1031390134529149, "untrained_mean_acceptance_length": None,
+               "weights_sha256": "a" * 64}
+    checkpoint = type("Checkpoint", (), {"producer": None})()  # run_summary_markdown reads only its producer
+    md = run_summary_markdown(summary, checkpoint, report)
+    assert md.startswith("# EAGLE-3 run: PASS")
+    assert "**Validation: PASS: 4 criteria met; reported without a threshold: mean acceptance length (vLLM)" in md
+    assert "| mean acceptance length (vLLM) | 1.10 tokens per verifier step; no threshold set |" in md
+    assert "| untrained draft | not measured (validate.compare_untrained is off) |" in md
+    assert "| lossless at temperature 0 | identical outputs (validate.require_lossless) |" in md
+    assert "1.1031" not in md and "None" not in md
+    from tasks.artifacts import TABLE_CELL_CHARS
+    from tasks.validate import acceptance_rows
+
+    rows = for_people(acceptance_rows(report))  # a table cell does not wrap in the UI: short cells, one page of 10
+    assert len(rows) <= 10 and all(len(cell) <= TABLE_CELL_CHARS for row in rows for cell in row.values()), rows
+    assert rows[0] == {"figure": "verdict", "value": "PASS (4 met, 2 not gated, 2 not checked)"}, rows
+    assert {"figure": "mean acceptance length (vLLM)", "value": "1.10 tokens per verifier step"} in rows
+    assert {"figure": "mean acceptance length, untrained draft", "value": "not measured"} in rows
+    assert for_people([{"metric": "sim accept", "value": 1.2126719199790643}, {"metric": "x", "value": None},
+                       {"metric": "tokens", "value": 11828}]) == [
+        {"metric": "sim accept", "value": "1.21"}, {"metric": "x", "value": "not measured"},
+        {"metric": "tokens", "value": "11,828"}]
 
 
 def test_validate_config_rejects_unknown_and_bad_fields():

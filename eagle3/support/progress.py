@@ -4,9 +4,11 @@ A line reads, e.g.::
 
     [extract] samples 120/1000 (12.0%) | tokens 61,440 | 2,512 tok/s | elapsed 0:00:24 | ETA 0:02:55
 
-A ``total`` of 0 means unknown (a stream): lines then show the count without a percentage or ETA. The ETA waits
-for a rate to base it on: it is measured from the first update on (the first batch carries the warm-up and the model's
-first-call costs), so the first line after it has none.
+A ``total`` of 0 means unknown (a stream): lines then show the count without a percentage or ETA; otherwise it is
+the number of items the stage will really process (a caller that stops at a cap passes the cap). The first update
+always writes a line, so a stage's first progress line comes as soon as its first item or batch is done, whatever the
+interval. The ETA waits for a rate to base it on: it is measured from the first update on (the first batch carries
+the warm-up and the model's first-call costs), so the first line has none.
 ``on_update`` lets a caller (a Prefect task) mirror progress elsewhere without this module importing Prefect.
 """
 
@@ -47,14 +49,15 @@ class Progress:
         self._rate_from: tuple[float, int] | None = None  # (time, done) of the first update: where the rate starts
 
     def update(self, n: int = 1, tokens: int = 0, extra: str = "") -> None:
-        if self._rate_from is None:
+        first = self._rate_from is None
+        if first:
             self._rate_from = (time.monotonic(), self.done + n)
         self.done += n
         self.tokens += tokens
         now = time.monotonic()
         due_n = self.every_n and self.done - self._last_n >= self.every_n
         due_s = self.every_s and now - self._last_t >= self.every_s
-        if due_n or due_s or (self.total and self.done >= self.total):
+        if first or due_n or due_s or (self.total and self.done >= self.total):
             self.emit(extra)
 
     def line(self, extra: str = "") -> str:
@@ -83,6 +86,12 @@ class Progress:
         if self._rate_from is None or (self.every_s and now - self._last_t >= self.every_s):
             self.logger.info("[%s] %s", self.stage, text)
             self._last_t = now
+
+    def finish(self) -> None:
+        """The last line, unless the last line already said where the count ended (a stage that stopped short of
+        its total, skipped rows, still gets its final count)."""
+        if self._last_n != self.done or self._rate_from is None:
+            self.emit()
 
     def emit(self, extra: str = "") -> str:
         text = self.line(extra)

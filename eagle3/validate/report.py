@@ -2,36 +2,67 @@
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 from pathlib import Path
 from typing import Any
 
+from eagle3.support.display import percent, sig
 from eagle3.support.io import atomic_write_json, atomic_write_text
 
 ACCEPTANCE_IMAGE = "![per-position acceptance](acceptance.png)"  # report.md's chart (the UI inlines it)
 
 
-def _fmt(v: Any, digits: int = 3) -> str:
-    if isinstance(v, float):
-        return "n/a" if math.isnan(v) else f"{v:.{digits}f}"
-    return str(v)
+def verdict_line(report: dict[str, Any]) -> str:
+    """The verdict in one sentence, from report.json's ``criteria``: which were met, which were not, which were
+    only reported or did not run."""
+    criteria = report.get("criteria")
+    if criteria is None:  # a report written before the criteria were recorded
+        return f"{report['verdict'].upper()} ({len(report.get('reasons', []))} reasons; criteria not recorded)"
+    by: dict[str, list[str]] = {}
+    for c in criteria:
+        by.setdefault(c["result"], []).append(c["name"])
+    parts = []
+    if by.get("NOT met"):
+        parts.append(f"not met: {', '.join(by['NOT met'])}")
+    if by.get("met"):
+        parts.append(f"{len(by['met'])} criteria met")
+    if by.get("not gated"):
+        parts.append(f"reported without a threshold: {', '.join(by['not gated'])}")
+    if by.get("not checked"):
+        parts.append(f"not checked: {', '.join(by['not checked'])}")
+    return f"{report['verdict'].upper()}: {'; '.join(parts)}"
+
+
+def criteria_markdown(criteria: list[dict[str, Any]]) -> list[str]:
+    """The verdict's criteria as a markdown table (report.md, the validation-report and run-summary artifacts)."""
+    def cell(text: str) -> str:
+        return str(text).replace("|", "/").replace("\n", " ")
+
+    lines = ["| criterion | required | measured | result |", "|---|---|---|---|"]
+    for c in criteria:
+        result = f"**{c['result']}**" if c["result"] == "NOT met" else c["result"]
+        lines.append(f"| {cell(c['name'])} | {cell(c['required'])} | {cell(c['measured'])} | {result} |")
+    return lines
 
 
 def render_markdown(report: dict[str, Any]) -> str:
     s = report.get("structural", {})
-    lines = [f"# EAGLE-3 draft validation: **{report['verdict'].upper()}**", "",
-             f"- draft: `{report['draft_dir']}`", f"- verifier: `{report['verifier_path']}`",
-             f"- prompts: `{report.get('prompts_path')}`", ""]
+    lines = [f"# EAGLE-3 draft validation: **{report['verdict'].upper()}**", "", f"**{verdict_line(report)}**", ""]
+    if report.get("criteria") is not None:
+        lines += ["## Verdict", "", *criteria_markdown(report["criteria"]), ""]
+    lines += [f"- draft: `{report['draft_dir']}`", f"- verifier: `{report['verifier_path']}`",
+              f"- prompts: `{report.get('prompts_path')}`", ""]
     if report["reasons"]:
         lines += ["## Reasons", ""] + [f"- {r}" for r in report["reasons"]] + [""]
     lines += ["## Checkpoint contract", "", "| check | result |", "|---|---|",
               f"| structural | {'ok' if s.get('ok') else 'FAILED (' + str(len(s.get('failures', []))) + ')'} |"]
+
     for key in ("aux_layer_ids", "hidden_size", "vocab_size", "draft_vocab_size", "dtype", "num_parameters",
                 "embed_tokens_in_checkpoint"):
         if key in s.get("summary", {}):
-            lines.append(f"| {key} | {s['summary'][key]} |")
+            value = s["summary"][key]
+            lines.append(f"| {key} | {value if isinstance(value, (list, dict)) else sig(value)} |")
     for f in s.get("failures", []):
         lines.append(f"| `{f['code']}` | {f['message'].replace('|', '/')} |")
     for f in s.get("warnings", []):
@@ -51,29 +82,29 @@ def render_markdown(report: dict[str, Any]) -> str:
                   "", "| figure | " + " | ".join(c for c, _ in cols) + " |", "|---|" + "---|" * len(cols)]
 
         def row(name: str, get) -> str:
-            return f"| {name} | " + " | ".join(_fmt(get(a)) for _, a in cols) + " |"
+            return f"| {name} | " + " | ".join(sig(get(a)) for _, a in cols) + " |"
 
         lines.append(row("mean acceptance length", lambda a: a["mean_acceptance_length"]))
         for i in range(len(acc["per_position_acceptance"])):
             lines.append(row(f"acceptance at position {i + 1}", lambda a, i=i: a["per_position_acceptance"][i]))
         lines.append(row("drafts (verifier steps)", lambda a: a["num_drafts"]))
         lines.append(row("accepted / draft tokens",
-                         lambda a: f"{a['num_accepted_tokens']} / {a['num_draft_tokens']}"))
+                         lambda a: f"{a['num_accepted_tokens']:,} / {a['num_draft_tokens']:,}"))
         lossless = "yes" if v.get("lossless") else "NO"
         lines += ["", f"- lossless (speculative output identical to plain greedy): {lossless}"]
         sp = v.get("speed") or {}
         if sp.get("speedup") is not None:
             med = statistics.median
-            lines.append(f"- decoding speed: {med(sp['draft_output_tokens_per_second']):.1f} output tokens/s with the "
-                         f"draft vs {med(sp['baseline_output_tokens_per_second']):.1f} without (medians of "
-                         f"{sp['repeats']} repeats): speedup **{sp['speedup']:.3f}x** (reported, not gated; on CPU a "
+            lines.append(f"- decoding speed: {sig(med(sp['draft_output_tokens_per_second']))} output tokens/s with "
+                         f"the draft vs {sig(med(sp['baseline_output_tokens_per_second']))} without (medians of "
+                         f"{sp['repeats']} repeats): speedup **{sig(sp['speedup'])}x** (reported, not gated; on CPU a "
                          f"draft pays off only at a high acceptance length)")
             if (spread := speed_spread(sp)) is not None:
                 lines.append(f"- the repeats ranged {spread}: the machine's load changed during the measurement "
                              f"(the engines run one after the other), so the speedup above is not reliable")
         if off:
             lines.append(f"- offline vs vLLM mean acceptance length: "
-                         f"{_fmt(report['offline'].get('relative_difference'))} relative difference")
+                         f"{percent(report['offline'].get('relative_difference'))} apart")
         lines += ["", ACCEPTANCE_IMAGE, ""]
     elif v:
         lines += ["## Speculative decoding", "", f"not run: {v.get('skipped') or v.get('error', '')[:2000]}", ""]
@@ -107,7 +138,7 @@ def write_report(out_dir: str | os.PathLike, report: dict[str, Any]) -> dict[str
         k = len(acc["per_position_acceptance"])
         bar_chart(out_dir / "acceptance.png", [f"pos {i + 1}" for i in range(k)],
                   [float(r) for r in acc["per_position_acceptance"]],
-                  title=f"vLLM acceptance per draft position (mean length {_fmt(acc['mean_acceptance_length'], 2)})",
+                  title=f"vLLM acceptance per draft position (mean length {sig(acc['mean_acceptance_length'])})",
                   ylabel="acceptance rate")
         paths["acceptance_png"] = str(out_dir / "acceptance.png")
     report = {**report, "paths": paths}

@@ -11,9 +11,10 @@ Pipeline position: train -> checkpoint -> **validate** -> serve.
    speculation: the token ids must be identical (temperature 0 is lossless).
 3. ``eagle3.validate.specdec.offline_acceptance`` (optional, ``offline_reference``) computes the same figures with a
    transformers verifier and our draft; they must agree with vLLM's within ``parity_tolerance``.
-4. ``write_report`` writes report.json, report.md (markdown tables) and acceptance.png (per-position acceptance).
+4. ``eagle3.validate.verdict.judge`` decides: every criterion with its requirement and the value measured.
+5. ``write_report`` writes report.json, report.md (markdown tables) and acceptance.png (per-position acceptance).
 
-``validate_draft`` runs 1 -> 2 -> 3 -> 4 and gives the verdict; ``tasks/validate.py`` wraps it for Prefect.
+``validate_draft`` runs 1 -> 5; ``tasks/validate.py`` wraps it for Prefect.
 Layer ids are in vLLM's convention everywhere: id k = residual stream ENTERING decoder layer k = HF hidden_states[k].
 """
 
@@ -37,7 +38,8 @@ from eagle3.support.verifier import VerifierSpec
 from eagle3.train.stage import DraftCheckpoint
 from eagle3.validate.config import ValidateConfig
 from eagle3.validate.contract import validate_checkpoint
-from eagle3.validate.report import write_report
+from eagle3.validate.report import verdict_line, write_report
+from eagle3.validate.verdict import Criterion, judge
 from eagle3.validate.vllm_check import read_prompt_messages
 
 log = logging.getLogger("eagle3")
@@ -119,6 +121,8 @@ class ValidationReport(Artifact):
     weights_sha256: str | None = Field(description="sha256 of its model.safetensors, as validated.")
     verdict: Literal["pass", "fail"] = Field(description="'pass' when no reason was found to fail.")
     reasons: list[str] = Field(description="Why it failed, one line each with a [code].")
+    criteria: list[Criterion] = Field(default_factory=list, description="Every criterion of the verdict: what it "
+                                      "requires, the value measured and whether it was met (eagle3.validate.verdict).")
     structural_ok: bool = Field(description="The checkpoint passed the vLLM contract check.")
     failure_codes: list[str] = Field(description="Codes of the contract check's failures.")
     lossless: bool | None = Field(description="Speculative output identical to plain greedy (None: not run).")
@@ -143,6 +147,11 @@ class ValidationReport(Artifact):
         """The content of report.json."""
         return json.loads(Path(self.report_json).read_text())
 
+    def verdict_line(self) -> str:
+        """The verdict in one sentence (which criteria were met, not met, only reported, not checked)."""
+        return verdict_line({"verdict": self.verdict, "reasons": self.reasons,
+                             "criteria": [c.model_dump() for c in self.criteria] if self.criteria else None})
+
 
 def validate_draft(cfg: ValidateConfig, checkpoint: DraftCheckpoint | str | os.PathLike, out_dir: str | os.PathLike,
                    *, verifier: str | os.PathLike | None = None, prompts_path: str | os.PathLike | None = None,
@@ -166,7 +175,6 @@ def validate_draft(cfg: ValidateConfig, checkpoint: DraftCheckpoint | str | os.P
             raise ValueError("validate_draft: pass the verifier path with a plain checkpoint folder")
         draft_dir, recorded_sha, verifier_path = Path(checkpoint), None, verifier
     prompts_path = Path(resolve_path(prompts_path or cfg.prompts_path))
-    reasons: list[str] = []
     report: dict[str, Any] = {"format": "eagle3-validation/1", "draft_dir": str(draft_dir),
                               "verifier_path": str(verifier_path), "prompts_path": str(prompts_path),
                               "settings": cfg.model_dump(mode="json")}
@@ -174,14 +182,8 @@ def validate_draft(cfg: ValidateConfig, checkpoint: DraftCheckpoint | str | os.P
     if weights.is_file():
         report["weights_sha256"] = sha256_file(weights)
     trusted = recorded_sha is None or report.get("weights_sha256") == recorded_sha
-    if not trusted:
-        reasons.append(f"[weights_modified] {weights} does not match the sha256 recorded when it was trained "
-                       f"({str(recorded_sha)[:12]}..., now {str(report.get('weights_sha256'))[:12]}...): the file was "
-                       f"changed or damaged since; retrain or restore it")
     structural = validate_checkpoint(draft_dir, verifier_path)
     report["structural"] = structural.to_dict()
-    for f in structural.failures:
-        reasons.append(f"[{f.code}] {f.message}")
     for f in structural.warnings:
         log.warning("[validate] %s: %s", f.code, f.message)
 
@@ -203,7 +205,6 @@ def validate_draft(cfg: ValidateConfig, checkpoint: DraftCheckpoint | str | os.P
             with (guard or file_lock_guard(logger=log))(cuda_device_ids(count=cfg.tensor_parallel_size)) as fds:
                 result = run_vllm_check(cfg, verifier_path, drafts, prompts_path, out_dir / "vllm", lock_fds=fds)
         except SubprocessFailed as e:  # a draft vLLM cannot load (or run in time) is a verdict, not a crash
-            reasons.append(f"[vllm_failed] {e}")
             report["vllm"] = {"error": str(e)}
         else:
             d = result["drafts"][0]
@@ -225,40 +226,28 @@ def validate_draft(cfg: ValidateConfig, checkpoint: DraftCheckpoint | str | os.P
                                                "lossless": u["lossless"]}
                 gain = vllm_acc["mean_acceptance_length"] - u["acceptance"]["mean_acceptance_length"]
                 report["vllm"]["gain_over_untrained"] = gain
-                if not gain > 0:
-                    reasons.append(f"[no_gain] trained draft's mean acceptance length "
-                                   f"{vllm_acc['mean_acceptance_length']:.3f} is not above the untrained draft's "
-                                   f"{u['acceptance']['mean_acceptance_length']:.3f}")
-            if vllm_acc["num_drafts"] == 0:
-                reasons.append("[no_drafts] vLLM ran no speculative steps (no spec-decode metrics)")
-            if cfg.require_lossless and not d["lossless"]:
-                m = d["mismatches"][0] if d["mismatches"] else {}
-                reasons.append(f"[not_lossless] speculative and plain greedy outputs differ on "
-                               f"{len(d['mismatches'])} of {len(d['token_ids'])} prompts (first: prompt "
-                               f"{m.get('prompt')} at token {m.get('first_difference_at_token')})")
-            mal = vllm_acc["mean_acceptance_length"]
-            if cfg.min_mean_acceptance_length is not None and not mal >= cfg.min_mean_acceptance_length:
-                reasons.append(f"[below_threshold] vLLM mean acceptance length {mal:.3f} < "
-                               f"min_mean_acceptance_length {cfg.min_mean_acceptance_length}")
 
     if cfg.offline_reference and structural.ok and trusted:
         from eagle3.validate.specdec import offline_acceptance
 
+        log.info("[validate] offline reference: transformers verifier + this draft on %d prompts", cfg.num_prompts)
         off = offline_acceptance(verifier_path, draft_dir, prompts_path, cfg.num_prompts, cfg.num_speculative_tokens,
                                  cfg.max_new_tokens, cfg.trust_remote_code)
         report["offline"] = {"acceptance": off.acceptance.to_dict(), "seconds": off.seconds}
         if vllm_acc is not None:
             rel = _relative_difference(off.acceptance.mean_acceptance_length, vllm_acc["mean_acceptance_length"])
             report["offline"]["relative_difference"] = rel
-            if not rel <= cfg.parity_tolerance:
-                reasons.append(f"[parity] offline mean acceptance length {off.acceptance.mean_acceptance_length:.3f}"
-                               f" vs vLLM {vllm_acc['mean_acceptance_length']:.3f}: {rel:.1%} apart (> "
-                               f"{cfg.parity_tolerance:.0%})")
 
+    criteria, reasons = judge(report, cfg, str(weights), recorded_sha)
     report["verdict"] = "fail" if reasons else "pass"
     report["reasons"] = reasons
+    report["criteria"] = [c.model_dump() for c in criteria]
     paths = report["paths"] = write_report(out_dir, report)
-    log.info("[validate] verdict %s%s", report["verdict"], "".join(f"\n  - {r}" for r in reasons))
+    log.info("[validate] %s", verdict_line(report))
+    for c in criteria:
+        log.info("[validate]   %s | %s: %s | required: %s", c.result, c.name, c.measured, c.required)
+    for r in reasons:
+        log.info("[validate]   reason: %s", r)
     vllm = report.get("vllm") or {}
     acc, untrained = vllm.get("acceptance") or {}, (vllm.get("untrained") or {}).get("acceptance") or {}
     offline = report.get("offline") or {}
@@ -267,7 +256,7 @@ def validate_draft(cfg: ValidateConfig, checkpoint: DraftCheckpoint | str | os.P
         report_md=paths["report_md"], acceptance_png=paths.get("acceptance_png"),
         vllm_log=str(out_dir / "vllm" / VLLM_LOG) if (out_dir / "vllm" / VLLM_LOG).is_file() else None,
         checkpoint_dir=str(draft_dir),
-        weights_sha256=report.get("weights_sha256"), verdict=report["verdict"], reasons=reasons,
+        weights_sha256=report.get("weights_sha256"), verdict=report["verdict"], reasons=reasons, criteria=criteria,
         structural_ok=structural.ok, failure_codes=structural.codes, lossless=vllm.get("lossless"),
         mean_acceptance_length=acc.get("mean_acceptance_length"),
         per_position_acceptance=acc.get("per_position_acceptance"),
