@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _extract_common import quiet
 
 from eagle3.extract.stage import extract_hidden_states
-from eagle3.extract.store import sample_files
 from eagle3.prepare import prepare_data
+from eagle3.store import sample_files
 from eagle3.support.artifacts import Artifact
 from eagle3.support.gguf_convert import SMOLLM2_DIR
 from eagle3.support.paths import REPO_ROOT

@@ -35,7 +35,8 @@ def _write_case(work: Path, spec, b: int, t: int, steps: int, store_dtype: str) 
     """A synthetic store of b * steps samples of exactly t tokens (the store's own writer) + its vocab mapping."""
     import torch
 
-    from eagle3.extract.store import init_store, write_sample
+    from eagle3.extract.writer import write_sample
+    from eagle3.store import init_store
     from eagle3.vocab import build_vocab_mapping, save_mapping
 
     samples = b * steps
@@ -61,7 +62,7 @@ def child(ns: argparse.Namespace) -> None:
     import psutil
 
     from eagle3.draft.config import DraftConfig
-    from eagle3.extract.store import HiddenStateStore
+    from eagle3.store import HiddenStateStore
     from eagle3.support.gguf_convert import SMOLLM2_DIR
     from eagle3.support.verifier import VerifierSpec
     from eagle3.train.config import TrainConfig

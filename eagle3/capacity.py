@@ -34,9 +34,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from eagle3.draft.config import DraftArchitecture, serving_pair_problem
 from eagle3.extract.config import ExtractConfig
-from eagle3.extract.store import SAMPLE_METADATA, TOKEN_TENSORS, is_scaled, sample_tensors
 from eagle3.prepare import PreparedData, load_prepared
 from eagle3.regenerate.config import RegenerateConfig
+from eagle3.store import SAMPLE_METADATA, TOKEN_TENSORS, is_scaled, sample_tensors
 from eagle3.support.artifacts import Artifact, file_problem
 from eagle3.support.display import sig, size
 from eagle3.support.dtypes import device_type, dtype, from_safetensors
@@ -187,7 +187,7 @@ def store_file_bytes(tokens: int, n_aux: int, hidden_size: int, store_dtype: str
     """(hidden-state bytes (scales included), per-token bookkeeping bytes, header bytes) of the store file of a
     ``tokens``-token sample.
 
-    Sizes the layout ``eagle3.extract.store.sample_tensors`` gives (what ``serialize_sample`` writes, with
+    Sizes the layout ``eagle3.store.sample_tensors`` gives (what ``serialize_sample`` writes, with
     ``SAMPLE_METADATA``); the header depends on the token count only.
     """
     layout = sample_tensors(tokens, n_aux, hidden_size, dtype(store_dtype).name)

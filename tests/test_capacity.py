@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from eagle3.capacity import CapacityConfig, CapacityError, plan_store, sample_lengths, store_file_bytes
-from eagle3.extract.store import serialize_sample
+from eagle3.store import serialize_sample
 from eagle3.support.dtypes import torch_dtype
 from eagle3.support.verifier import VerifierError
 

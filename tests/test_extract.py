@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from eagle3.extract import hf_backend
 from eagle3.extract.stage import ExtractError, extract_hidden_states
-from eagle3.extract.store import MANIFEST, HiddenStateStore, StoreError
+from eagle3.store import MANIFEST, HiddenStateStore, StoreError
 from eagle3.support.dtypes import resolve_compute_dtype, torch_dtype
 from eagle3.support.gpu import OutOfMemoryAfterRetries, is_oom_error
 from eagle3.support.verifier import VerifierError, load_verifier_head
@@ -317,7 +317,7 @@ def test_quarantined_sample_alone_is_extracted_again_and_the_fingerprint_holds(t
     """A sample the trainer's first-read check quarantined is the only one extracted again; its states come back
     bit-identical (one sample per forward both times), so the store's fingerprint is the same: training stays
     cached."""
-    from eagle3.extract.store import CorruptSample
+    from eagle3.store import CorruptSample
 
     ds = make_dataset(tmp_path / "ds", LENGTHS, 8192, seed=7)
     cfg = _cfg(tiny_llama_verifier, tmp_path, max_samples_per_batch=1)

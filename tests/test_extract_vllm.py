@@ -10,8 +10,8 @@ import torch
 from conftest import make_dataset
 
 from eagle3.extract.stage import extract_hidden_states
-from eagle3.extract.store import HiddenStateStore
 from eagle3.extract.vllm_backend import VllmExtractionError
+from eagle3.store import HiddenStateStore
 from eagle3.support.verifier import load_verifier_head
 
 pytestmark = [pytest.mark.vllm]

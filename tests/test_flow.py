@@ -348,34 +348,57 @@ def test_lost_manifest_reextracts_nothing_and_a_modified_checkpoint_fails_the_ru
 
 @pytest.mark.slow
 def test_damaged_sample_fails_training_naming_it_and_the_rerun_repairs_it(harness, tiny_llama_verifier, tmp_path):
-    """64 KiB zeroed inside one stored sample after extraction (same size: the reuse check passes): training
-    refuses it on its first read and the run fails naming the file; the rerun extracts that sample again (only it)
-    and completes: never trained on it, never failing the same way twice."""
+    """64 KiB zeroed inside one stored sample after extraction (same size: the reuse check passes), a sample of the
+    run's LAST optimizer step: training saves its state step by step, refuses the sample on its first read and the
+    run fails naming the file; the rerun extracts that sample again (only it: its states differ from the first ones
+    by float rounding at most) and training RESUMES in the same folder from its saved state, because the store's
+    identity is what was extracted, not its bytes: never trained on the damage, never failing the same way twice,
+    never starting over."""
+    from eagle3.draft.checkpoint import load_trainer_state
     from eagle3.extract.stage import HiddenStates
-    from eagle3.extract.store import HiddenStateStore
+    from eagle3.store import HiddenStateStore
+    from eagle3.train.data import BatchPlan, pack_samples, split_indices
     from flows.eagle3_pipeline import eagle3_extract, eagle3_pipeline
 
     base = _base(tiny_llama_verifier, tmp_path)
-    extracted = eagle3_extract(load_config("tiny", base), return_state=True)
+    base["train"].update(save_state_every_steps=1, batch_size=2)  # several steps, a saved state after each
+    config = load_config("tiny", base)
+    extracted = eagle3_extract(config, return_state=True)
     assert extracted.is_completed(), extracted
     store = HiddenStateStore(extracted.result()["store_path"])
-    biggest = max(store.indices(), key=lambda i: store.file(i).stat().st_size)
-    path = store.file(biggest)
+    identity = HiddenStates.load(Path(store.path).parent).fingerprint
+    t = config.train_config()  # the trainer's own plan: the rows of the run's last step
+    train_idx, _ = split_indices(store.indices(), t.val_ratio, t.seed)
+    rows = pack_samples({i: min(store.tokens(i), t.max_seq_len) for i in train_idx}, t.max_seq_len)
+    plan = BatchPlan(rows, t.seed, t.batch_size, t.grad_accum_steps, 1, 0)
+    steps = len(rows) // t.batch_size
+    assert steps >= 2, steps
+    last = [i for micro in plan.micro_bins(t.epochs - 1, steps - 1) for row in micro for i in row]
+    victim = max(last, key=lambda i: store.file(i).stat().st_size)
+    path = store.file(victim)
     _zero_64k(path)
 
-    failed = eagle3_pipeline(load_config("tiny", base), return_state=True)
+    failed = eagle3_pipeline(config, return_state=True)
     assert failed.is_failed()
     error = str(failed.result(raise_on_failure=False))
-    assert f"sample {biggest} of store" in error and f"{path} does not match its manifest sha256" in error
+    assert f"sample {victim} of store" in error and f"{path} does not match its manifest sha256" in error
     runs = _runs(failed, ["extract-hidden-states", "train-draft"])
     assert runs["extract-hidden-states"] == ["Cached"] and runs["train-draft"] == ["Failed"], runs
+    (train_dir,) = Path(config.run_dir).glob("train-draft-*")
+    saved_at = load_trainer_state(train_dir / "latest")["progress"]["global_step"]
+    assert 1 <= saved_at < steps  # trained up to the damaged step, state saved
 
-    repaired = eagle3_pipeline(load_config("tiny", base), return_state=True)
+    repaired = eagle3_pipeline(config, return_state=True)
     assert repaired.is_completed(), repaired
     runs = _runs(repaired, STAGES)
     assert runs["extract-hidden-states"] == ["Cached", "Completed"] and runs["train-draft"] == ["Completed"], runs
     artifact = HiddenStates.load(Path(store.path).parent)
     assert (artifact.samples_written, artifact.manifest_entries_dropped) == (1, 1)
+    assert artifact.fingerprint == identity  # the repair kept the store's identity ...
+    assert list(Path(config.run_dir).glob("train-draft-*")) == [train_dir]  # ... hence training's folder
+    records = [json.loads(x) for x in (train_dir / "metrics.jsonl").read_text().splitlines()]
+    steps_logged = [r["global_step"] for r in records if r["event"] == "train"]
+    assert steps_logged == sorted(set(steps_logged)) and steps_logged[-1] == steps  # resumed, each step once
     HiddenStateStore(store.path).verify()
 
 

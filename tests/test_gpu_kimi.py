@@ -27,8 +27,8 @@ from conftest import BUNDLED_DATA
 from eagle3.config import load_config
 from eagle3.draft.config import DraftArchitecture
 from eagle3.extract.stage import extract_hidden_states
-from eagle3.extract.store import HiddenStateStore
 from eagle3.prepare import PrepareConfig, prepare_data
+from eagle3.store import HiddenStateStore
 from eagle3.train.config import TrainConfig
 from eagle3.train.stage import train_draft
 from eagle3.validate.config import ValidateConfig

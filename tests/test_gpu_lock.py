@@ -148,7 +148,7 @@ def test_second_extraction_waits_then_resumes_what_the_first_wrote(tiny_llama_ve
     from conftest import make_dataset
 
     from eagle3.extract.stage import extract_hidden_states
-    from eagle3.extract.store import MANIFEST
+    from eagle3.store import MANIFEST
 
     ds = make_dataset(tmp_path / "ds", [40 + i for i in range(24)], 8192)
     cfg = {"verifier": str(tiny_llama_verifier), "device": "cpu",

@@ -17,7 +17,7 @@ from conftest import KIMI_SHAPED_SMALL, make_dataset
 from eagle3.config import load_config
 from eagle3.extract.selfcheck import BatchInvarianceError
 from eagle3.extract.stage import extract_hidden_states
-from eagle3.extract.store import HiddenStateStore
+from eagle3.store import HiddenStateStore
 from tools.kimi_mini import random_kimi_shaped
 
 pytestmark = [pytest.mark.vllm]

@@ -157,7 +157,7 @@ def test_capacity_plans_the_dtype_extraction_writes(front, bundled_verifier, tmp
     to assume bfloat16 while extraction wrote float32 (a disk plan 2x too small). Both now resolve through
     ``ExtractConfig.resolved_dtypes``, and the plan equals the bytes extraction writes."""
     from eagle3.extract.stage import extract_hidden_states
-    from eagle3.extract.store import HiddenStateStore
+    from eagle3.store import HiddenStateStore
 
     cfg = load_config("tiny", {"extract": {"store_dtype": "model", "dtype": "float32", "device": "cpu"},
                                "data": {"sources": [str(BUNDLED_DATA / "eval.openai.jsonl")], "max_samples": 6}})

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from eagle3.draft import checkpoint as ckpt
 from eagle3.draft.config import DraftArchitecture
 from eagle3.extract.stage import extract_hidden_states
-from eagle3.extract.store import init_store
+from eagle3.store import init_store
 from eagle3.support.io import sha256_file
 from eagle3.train.config import TrainConfig, TrainError
 from eagle3.train.stage import train_draft
@@ -290,7 +290,7 @@ def test_damaged_sample_is_never_trained_on_and_extraction_repairs_it(random_sto
     missing) until extraction extracts it again, then training runs."""
     import shutil
 
-    from eagle3.extract.store import HiddenStateStore
+    from eagle3.store import HiddenStateStore
     from eagle3.train.data import BatchPlan
     from eagle3.train.trainer import Trainer
 

@@ -33,10 +33,11 @@ from pydantic import Field
 from eagle3.extract import hf_backend, selfcheck
 from eagle3.extract.batching import Batch, TokenBudgetBatcher, pad_right
 from eagle3.extract.config import ExtractConfig
-from eagle3.extract.store import (
+from eagle3.extract.writer import AsyncStoreWriter
+from eagle3.prepare import PreparedData, load_prepared
+from eagle3.store import (
     MANIFEST,
     STORE_JSON,
-    AsyncStoreWriter,
     HiddenStateStore,
     StoreError,
     append_manifest_entries,
@@ -48,7 +49,6 @@ from eagle3.extract.store import (
     repair_manifest,
     store_meta,
 )
-from eagle3.prepare import PreparedData, load_prepared
 from eagle3.support.artifacts import Artifact
 from eagle3.support.dtypes import torch_dtype
 from eagle3.support.gpu import (

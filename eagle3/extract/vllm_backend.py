@@ -26,7 +26,7 @@ import torch
 
 from eagle3.extract import selfcheck
 from eagle3.extract.config import ExtractConfig
-from eagle3.extract.store import MANIFEST
+from eagle3.store import MANIFEST
 from eagle3.support.gpu import OutOfMemoryAfterRetries, is_oom_text
 from eagle3.support.io import save_safetensors
 from eagle3.support.paths import vllm_python, vllm_subprocess_env

@@ -1,6 +1,6 @@
 """vLLM-side driver of the vLLM extraction backend: ``python -m eagle3.extract.vllm_worker <job.json>``.
 
-Runs in the vLLM environment (imports torch, safetensors, vllm and ``eagle3.extract.store`` only). Started by
+Runs in the vLLM environment (imports torch, safetensors, vllm and ``eagle3.store`` only). Started by
 ``eagle3.extract.vllm_backend`` in its own process group; the parent holds the GPU lock, watches the manifest for
 progress and kills the whole group on timeout or cancel.
 
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from eagle3.extract.store import read_manifest
+from eagle3.store import read_manifest
 
 SELFCHECK_FAILED = 4  # exit status: the self-check found batch-dependent states
 

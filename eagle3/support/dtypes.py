@@ -51,7 +51,7 @@ _BY_TORCH = {d.torch: d for d in DTYPES.values()}
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")  # what a verifier or draft may run in
 STORE_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")  # what the hidden-state store may hold
 # store dtypes too narrow in range for raw states: each token's state is stored divided by a float32 scale
-# (eagle3.extract.store quantize_states / dequantize_states)
+# (eagle3.store quantize_states / dequantize_states)
 SCALED_DTYPES = ("float8_e4m3fn",)
 
 

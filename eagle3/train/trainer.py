@@ -29,7 +29,7 @@ from torch import nn
 from eagle3.draft import checkpoint as ckpt
 from eagle3.draft.config import DraftConfig
 from eagle3.draft.model import Eagle3Draft
-from eagle3.extract.store import STORE_JSON, HiddenStateStore, StoreError
+from eagle3.store import STORE_JSON, HiddenStateStore, StoreError
 from eagle3.support.io import atomic_write_text, sha256_file
 from eagle3.support.progress import Progress
 from eagle3.support.settings import output_view
