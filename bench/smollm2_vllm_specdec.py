@@ -62,17 +62,13 @@ def vllm_side(ns: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from eagle3.chat.encoder import ChatSettings
     from eagle3.support.gguf_convert import SMOLLM2_DIR
-    from eagle3.validate.vllm_check import (
-        acceptance_from_metrics,
-        load_tokenizer,
-        prompt_token_ids,
-        read_prompt_messages,
-    )
+    from eagle3.validate.stage import prompt_ids
+    from eagle3.validate.vllm_check import acceptance_from_metrics
 
-    tok = load_tokenizer(SMOLLM2_DIR)
     prompts = [TokensPrompt(prompt_token_ids=p)
-               for p in prompt_token_ids(tok, read_prompt_messages(PROMPTS, ns.prompts))]
+               for p in prompt_ids(ChatSettings(tokenizer_path=str(SMOLLM2_DIR)), PROMPTS, ns.prompts)]
     common = {"model": str(SMOLLM2_DIR), "dtype": "float32", "enforce_eager": True, "max_model_len": 2048,
               "seed": 0, "distributed_executor_backend": "uni", "disable_log_stats": False}
     spec = {"method": "eagle3", "model": ns.draft, "num_speculative_tokens": ns.k}

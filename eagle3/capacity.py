@@ -32,9 +32,10 @@ from typing import ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from eagle3.chat.dataset import PreparedDataset
 from eagle3.draft.config import DraftArchitecture, serving_pair_problem
 from eagle3.extract.config import ExtractConfig
-from eagle3.prepare import PreparedData, load_prepared
+from eagle3.prepare import PreparedData
 from eagle3.regenerate.config import RegenerateConfig
 from eagle3.store import SAMPLE_METADATA, TOKEN_TENSORS, is_scaled, sample_tensors
 from eagle3.support.artifacts import Artifact, file_problem
@@ -210,29 +211,13 @@ def _total_header_bytes(lengths: np.ndarray, n_aux: int, hidden_size: int, store
 
 
 def assistant_layout(dataset_dir: str | Path) -> tuple[np.ndarray, np.ndarray]:
-    """(non-assistant tokens [N], assistant turns [N]) of every sample of a prepared dataset: the prompt side
-    regeneration keeps, and the number of loss-mask runs (one per assistant turn) it rewrites."""
-    ds = load_prepared(dataset_dir, ("loss_mask",), CapacityError)
-    prompt, turns = [], []
-    for t in ds.select_columns(["loss_mask"]).with_format("arrow").iter(batch_size=4096):
-        col = t.column("loss_mask")
-        for i in range(len(t)):
-            m = np.asarray(col[i].values.to_numpy(zero_copy_only=False), dtype=np.int8)  # [T]
-            prompt.append(int((m == 0).sum()))
-            turns.append(int(((m[1:] == 1) & (m[:-1] == 0)).sum() + (len(m) > 0 and m[0] == 1)))
-    return np.asarray(prompt, dtype=np.int64), np.asarray(turns, dtype=np.int64)
+    """(non-assistant tokens [N], assistant turns [N]) of every sample of a prepared dataset (eagle3.chat.dataset)."""
+    return PreparedDataset(dataset_dir, CapacityError).assistant_layout()
 
 
 def sample_lengths(dataset_dir: str | Path) -> np.ndarray:
     """Token count of every sample of a prepared dataset -> [num_samples] int64, from the Arrow list offsets only."""
-    import pyarrow.compute as pc
-
-    ds = load_prepared(dataset_dir, ("input_ids",), CapacityError)
-    parts = [
-        pc.list_value_length(t.column("input_ids")).to_numpy(zero_copy_only=False)
-        for t in ds.select_columns(["input_ids"]).with_format("arrow").iter(batch_size=65536)
-    ]
-    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+    return PreparedDataset(dataset_dir, CapacityError).lengths
 
 
 def free_space(dest: str | os.PathLike) -> tuple[int | None, str | None, str | None]:

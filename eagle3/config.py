@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic.json_schema import SkipJsonSchema
 
 from eagle3.capacity import CapacityConfig
+from eagle3.chat.encoder import ChatSettings
 from eagle3.extract.config import ExtractConfig
 from eagle3.prepare import PrepareConfig
 from eagle3.regenerate.config import RegenerateConfig
@@ -136,6 +137,11 @@ class PipelineConfig(BaseModel):
         d.update(sources=self.sources, tokenizer_path=resolve_path(self.data.tokenizer_path or self.verifier_path),
                  max_seq_len=self.max_seq_len)
         return PrepareConfig.model_validate(d)
+
+    def chat_settings(self) -> ChatSettings:
+        """What renders conversations (tokenizer, template override): one set for prepare, regeneration and
+        validation."""
+        return self.prepare_config().chat_settings()
 
     def regenerate_config(self) -> RegenerateConfig:
         x = self.extract

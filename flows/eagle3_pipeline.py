@@ -116,8 +116,8 @@ def _front(config: PipelineConfig, s: dict, regenerated_only_if_cached: bool = F
     whole dataset on every host: run the eagle3-prepare flow once first)."""
     verifier = describe_verifier_task(config.verifier)
     sources = describe_sources_task(config.sources)
-    prepare = config.prepare_config()
-    tokenizer = describe_tokenizer_task(prepare)
+    prepare, chat = config.prepare_config(), config.chat_settings()
+    tokenizer = describe_tokenizer_task(chat)
     prepared = run_stage(s["prepare-data"], cfg=prepare, sources=sources, tokenizer=tokenizer, run_dir=config.run_dir)
     regen_cfg = config.regenerate_config()
     plan = run_stage(s["plan-capacity"], cfg=config.capacity, extract=config.extract_config(), verifier=verifier,
@@ -131,7 +131,7 @@ def _front(config: PipelineConfig, s: dict, regenerated_only_if_cached: bool = F
         prepared = run_stage(s["prepare-regenerated"], cfg=prepare_regen,
                              sources=describe_regenerated_task([regenerated.conversations_path]), tokenizer=tokenizer,
                              run_dir=config.run_dir)
-    return verifier, prepared, plan
+    return verifier, prepared, plan, chat, tokenizer
 
 
 @flow(name="eagle3-pipeline", flow_run_name=run_name)
@@ -139,7 +139,7 @@ def eagle3_pipeline(config: PipelineConfig = DEFAULT_CONFIG, overrides: dict[str
     """Chat data + verifier -> trained EAGLE-3 draft, validated in vLLM. Every stage is cached by content."""
     config = _config(config, overrides)
     s = _stages(config)
-    verifier, prepared, plan = _front(config, s)
+    verifier, prepared, plan, chat, tokenizer = _front(config, s)
     store = run_stage(s["extract-hidden-states"], cfg=config.extract_config(), verifier=verifier, prepared=prepared,
                       plan=plan, run_dir=config.run_dir, host=config.host)
     vocab = run_stage(s["build-vocab"], cfg=config.vocab, verifier=verifier, prepared=prepared,
@@ -148,7 +148,7 @@ def eagle3_pipeline(config: PipelineConfig = DEFAULT_CONFIG, overrides: dict[str
                            run_dir=config.run_dir, host=config.host)
     prompts = describe_prompts_task([resolve_path(config.validate_config.prompts_path)])
     report = run_stage(s["validate-draft"], cfg=config.validate_config, checkpoint=checkpoint, prompts=prompts,
-                       run_dir=config.run_dir, host=config.host)
+                       chat=chat, tokenizer=tokenizer, run_dir=config.run_dir, host=config.host)
     summary = {"run_dir": config.run_dir, "checkpoint": checkpoint.checkpoint_dir, "report": report.report_md,
                "verdict": report.verdict, "mean_acceptance_length": report.mean_acceptance_length,
                "untrained_mean_acceptance_length": report.untrained_mean_acceptance_length,
@@ -175,7 +175,7 @@ def eagle3_extract(config: PipelineConfig = DEFAULT_CONFIG, shard_start: int = 0
     the end). Several GPU hosts each take a shard through their own work queue; all shards fill one store."""
     config = _config(config, overrides)
     s = _stages(config)
-    verifier, prepared, plan = _front(config, s, regenerated_only_if_cached=True)
+    verifier, prepared, plan, _, _ = _front(config, s, regenerated_only_if_cached=True)
     extract = config.extract_config().model_copy(update={"shard_start": shard_start, "shard_end": shard_end})
     store = run_stage(s["extract-hidden-states"], cfg=extract, verifier=verifier, prepared=prepared, plan=plan,
                       run_dir=config.run_dir, host=config.host)
@@ -187,7 +187,7 @@ def eagle3_prepare(config: PipelineConfig = DEFAULT_CONFIG, overrides: dict[str,
     """Prepare + plan (+ regenerate + prepare the regenerated conversations) once, before the extraction shards of
     several hosts start: they find these stages cached (regeneration writes one dataset, not one per host)."""
     config = _config(config, overrides)
-    _, prepared, plan = _front(config, _stages(config))
+    _, prepared, plan, _, _ = _front(config, _stages(config))
     return {"prepared": prepared.model_dump(mode="json"), "plan": plan.model_dump(mode="json")}
 
 

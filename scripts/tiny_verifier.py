@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eagle3.support import chat
+from eagle3.chat import formats as chat
 from eagle3.support.paths import BUNDLED_DATA, BUNDLED_VERIFIER
 from eagle3.support.provenance import git_revision as current_revision
 from eagle3.support.provenance import versions

@@ -27,8 +27,9 @@ from prefect import task
 from pydantic import BaseModel
 
 import eagle3
+from eagle3.chat.encoder import ChatSettings, describe_tokenizer
+from eagle3.chat.sources import DataSources, describe_sources
 from eagle3.config import HostConfig
-from eagle3.prepare import DataSources, PrepareConfig, describe_sources, describe_tokenizer
 from eagle3.support.artifacts import A, Artifact, identity, with_producer
 from eagle3.support.gpu import DeviceGuard, device_lock, is_oom_error, lock_names
 from eagle3.support.io import sha256_json
@@ -179,7 +180,7 @@ describe_prompts_task = describe_sources_task.with_options(name="describe-prompt
 
 
 @task(name="describe-tokenizer")
-def describe_tokenizer_task(cfg: PrepareConfig) -> DataSources:
+def describe_tokenizer_task(cfg: ChatSettings) -> DataSources:
     """Content fingerprint of what renders the conversations (tokenizer files, chat-template override)."""
     return describe_tokenizer(cfg)
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from eagle3.prepare import DataSources, PrepareConfig, PreparedData, prepare_data
+from eagle3.chat.sources import DataSources
+from eagle3.prepare import PrepareConfig, PreparedData, prepare_data
 from tasks import artifacts
 from tasks.common import stage_dir, stage_task
 

@@ -248,7 +248,7 @@ def test_bad_input_one_clear_error_each(tiny_llama_verifier, tmp_path):
     with pytest.raises(ExtractError, match=r"lacks column\(s\) \['input_ids'\]"):
         extract_hidden_states(_cfg(tiny_llama_verifier, tmp_path), no_ids, tmp_path / "s4")
     big = make_dataset(tmp_path / "big_ids", [5, 6], 9000, seed=11)
-    with pytest.raises(ExtractError, match=r"sample [01] has token ids outside 0\.\.8191"):
+    with pytest.raises(ExtractError, match=r"sample [01]: token id \d+ outside the verifier's vocabulary \[0, 8192\)"):
         extract_hidden_states(_cfg(tiny_llama_verifier, tmp_path), big, tmp_path / "s5")
     for d in ("s1", "s2", "s3", "s4", "s5"):  # nothing half-written
         assert not (tmp_path / d / MANIFEST).exists()

@@ -405,8 +405,9 @@ def test_damaged_sample_fails_training_naming_it_and_the_rerun_repairs_it(harnes
 def test_missing_verifier_says_verifier_not_found_at_every_entry(harness, tmp_path):
     """A verifier path that does not exist is "verifier not found: <path>" from the flow (its describe step) and
     from each stage function, never a Hugging Face repo-id error."""
+    from eagle3.chat.errors import DataError
     from eagle3.extract.stage import extract_hidden_states
-    from eagle3.prepare import DataError, PrepareConfig, prepare_data
+    from eagle3.prepare import PrepareConfig, prepare_data
     from eagle3.support.verifier import VerifierError
     from eagle3.train.config import TrainConfig
     from eagle3.train.stage import train_draft

@@ -21,6 +21,7 @@ import pytest
 import torch
 from conftest import vocab_tables
 
+from eagle3.chat.encoder import ChatSettings
 from eagle3.draft.checkpoint import load_draft, save_draft
 from eagle3.draft.config import DraftConfig
 from eagle3.draft.model import Eagle3Draft
@@ -28,12 +29,10 @@ from eagle3.support.subproc import SubprocessFailed
 from eagle3.support.verifier import VerifierSpec
 from eagle3.validate.config import ValidateConfig
 from eagle3.validate.specdec import load_verifier, speculative_generate
-from eagle3.validate.stage import run_vllm_check, validate_draft
+from eagle3.validate.stage import prompt_ids, run_vllm_check, validate_draft
 from eagle3.validate.vllm_check import (
     AcceptanceStats,
     load_tokenizer,
-    prompt_token_ids,
-    read_prompt_messages,
     stop_token_ids,
 )
 
@@ -176,7 +175,7 @@ def test_constant_draft_counters_equal_the_offline_loop_exactly(random_verifier,
     cfg = ValidateConfig(num_prompts=4, max_new_tokens=48, num_speculative_tokens=K)
     verifier = load_verifier(random_verifier)
     tok = load_tokenizer(random_verifier)
-    prompts = prompt_token_ids(tok, read_prompt_messages(EVAL, cfg.num_prompts))
+    prompts = prompt_ids(ChatSettings(tokenizer_path=str(random_verifier)), EVAL, cfg.num_prompts)
     stops = set(stop_token_ids(random_verifier, tok))
     with torch.no_grad():
         ids = list(prompts[0])
@@ -185,7 +184,7 @@ def test_constant_draft_counters_equal_the_offline_loop_exactly(random_verifier,
     t = Counter(ids[len(prompts[0]):]).most_common(1)[0][0]
     draft_dir = _save_draft(random_verifier, tmp_path / "constant", torch.arange(t, t + 64), constant=True)
 
-    result = run_vllm_check(cfg, random_verifier, [draft_dir], EVAL, tmp_path / "work")
+    result = run_vllm_check(cfg, random_verifier, [draft_dir], prompts, tmp_path / "work")
     run = result["drafts"][0]
     assert result["prompt_token_ids"] == prompts and run["lossless"]
     draft = load_draft(draft_dir, verifier_path=random_verifier).eval()
@@ -194,6 +193,10 @@ def test_constant_draft_counters_equal_the_offline_loop_exactly(random_verifier,
     assert outs == result["baseline"]["token_ids"]
     assert run["acceptance"] == stats.to_dict()
     assert stats.num_accepted_tokens > 0
+
+
+def _prompts(verifier: Path, n: int) -> list[list[int]]:
+    return prompt_ids(ChatSettings(tokenizer_path=str(verifier)), EVAL, n)
 
 
 class _Watcher(threading.Thread):
@@ -246,7 +249,7 @@ def test_timeout_kills_the_vllm_process_tree(random_pair, tmp_path):
     watcher.start()
     try:
         with pytest.raises(SubprocessFailed, match="timed out"):
-            run_vllm_check(cfg, verifier, [draft], EVAL, tmp_path / "work")
+            run_vllm_check(cfg, verifier, [draft], _prompts(verifier, 1), tmp_path / "work")
     finally:
         watcher.stop.set()
         watcher.join()
@@ -271,7 +274,7 @@ def test_cancellation_after_engine_processes_started_leaves_none_behind(random_p
     watcher.start()
     try:
         with pytest.raises(_Cancelled):
-            run_vllm_check(cfg, verifier, [draft], EVAL, tmp_path / "work")
+            run_vllm_check(cfg, verifier, [draft], _prompts(verifier, 1), tmp_path / "work")
     finally:
         watcher.stop.set()
         watcher.join()

@@ -30,11 +30,12 @@ from typing import Any, ClassVar
 import torch
 from pydantic import Field
 
+from eagle3.chat.dataset import PreparedDataset
 from eagle3.extract import hf_backend, selfcheck
 from eagle3.extract.batching import Batch, TokenBudgetBatcher, pad_right
 from eagle3.extract.config import ExtractConfig
 from eagle3.extract.writer import AsyncStoreWriter
-from eagle3.prepare import PreparedData, load_prepared
+from eagle3.prepare import PreparedData
 from eagle3.store import (
     MANIFEST,
     STORE_JSON,
@@ -143,34 +144,11 @@ class HiddenStates(Artifact):
 
 
 def open_dataset(dataset_dir: str | Path, vocab_size: int | None = None):
-    """(dataset with input_ids + loss_mask, tokens per sample as a list). Raises ExtractError naming the problem."""
-    import pyarrow.compute as pc
-
-    path = Path(dataset_dir)
-    ds = load_prepared(path, ("input_ids", "loss_mask"), ExtractError)
-    if len(ds) == 0:
-        raise ExtractError(f"dataset {path} has no samples")
-    ds = ds.select_columns(["input_ids", "loss_mask"])
-    if ds._indices is not None:
-        ds = ds.flatten_indices()
-    table = ds.data.table if hasattr(ds.data, "table") else ds.data
-    ids_col, mask_col = table.column("input_ids"), table.column("loss_mask")
-    lengths = pc.list_value_length(ids_col).to_pylist()
-    mask_lengths = pc.list_value_length(mask_col).to_pylist()
-    for i, (n, m) in enumerate(zip(lengths, mask_lengths)):
-        if not n:
-            raise ExtractError(f"dataset {path}: sample {i} has no input_ids")
-        if n != m:
-            raise ExtractError(f"dataset {path}: sample {i} has {n} input_ids but {m} loss_mask entries")
-    if vocab_size is not None:
-        flat = pc.list_flatten(ids_col)
-        hi, lo = pc.max(flat).as_py(), pc.min(flat).as_py()
-        if hi >= vocab_size or lo < 0:
-            bad = pc.or_(pc.greater_equal(flat, vocab_size), pc.less(flat, 0))  # vectorised: no Python lists
-            row = pc.list_parent_indices(ids_col).filter(bad)[0].as_py()
-            raise ExtractError(f"dataset {path}: sample {row} has token ids outside 0..{vocab_size - 1} "
-                               f"(verifier vocab_size {vocab_size}); was it tokenized with another tokenizer?")
-    return ds, lengths
+    """(dataset with input_ids + loss_mask, tokens per sample as a list), every sample checked (eagle3.chat.dataset);
+    raises ExtractError naming the problem."""
+    ds = PreparedDataset(dataset_dir, ExtractError)
+    ds.check(vocab_size)
+    return ds.ds, ds.lengths.tolist()
 
 
 def _gpu_ids(cfg: ExtractConfig) -> list[int]:

@@ -28,7 +28,10 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from eagle3.prepare import BadRow, PrepareConfig, PreparedData, iter_rows, load_prepared, normalize_row
+from eagle3.chat.dataset import load_prepared
+from eagle3.chat.errors import BadRow
+from eagle3.chat.sources import iter_rows, normalize_row
+from eagle3.prepare import PrepareConfig, PreparedData
 from eagle3.regenerate.config import RegenerateConfig
 from eagle3.support.artifacts import Artifact, file_problem
 from eagle3.support.dtypes import describe_compute_dtype
@@ -163,7 +166,7 @@ def _run_driver(cfg: RegenerateConfig, todo: list[dict], total: int, prepare_cfg
     work = out_dir / "work.jsonl"
     atomic_write_text(work, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in todo))
     job = {"verifier": verifier.path, "work_file": str(work), "journal": str(journal),
-           "stats_file": str(out_dir / "driver_stats.json"), "chat_template": _template(prepare_cfg),
+           "stats_file": str(out_dir / "driver_stats.json"), "chat": prepare_cfg.chat_settings().model_dump(),
            "dtype": dtype, "tensor_parallel_size": cfg.tensor_parallel_size, "max_model_len": cfg.max_model_len,
            "gpu_memory_utilization": cfg.gpu_memory_utilization, "trust_remote_code": cfg.trust_remote_code,
            "temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
@@ -189,16 +192,6 @@ def _run_driver(cfg: RegenerateConfig, todo: list[dict], total: int, prepare_cfg
                               f"{out_dir / VLLM_LOG}; last lines:\n{result.stdout[-4000:]}")
     work.unlink(missing_ok=True)
     return json.loads((out_dir / "driver_stats.json").read_text())
-
-
-def _template(prepare_cfg: PrepareConfig) -> str | None:
-    """The chat template the prepare stage renders with (its override, as text), so prompts match training."""
-    if prepare_cfg.chat_template is None:
-        return None
-    from eagle3.prepare import load_chat_tokenizer
-
-    return load_chat_tokenizer(prepare_cfg.tokenizer_path, prepare_cfg.chat_template,
-                               prepare_cfg.trust_remote_code)[1]
 
 
 class _follow_journal:

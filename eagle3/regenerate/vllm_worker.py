@@ -1,11 +1,11 @@
 """vLLM-side driver of the regenerate stage: ``python -m eagle3.regenerate.vllm_worker <job.json>``.
 
-Runs in the vLLM environment (imports vllm, transformers and stdlib-only eagle3 modules). Started by
+Runs in the vLLM environment (imports vllm, transformers and eagle3 modules that need nothing else). Started by
 ``eagle3.regenerate.stage`` in its own process group under the subprocess guard, holding the host's GPU lock.
 
 Job keys: verifier, work_file (jsonl of {"index", "messages"}: the conversations to do), journal (jsonl the driver
-appends finished rows to), stats_file, chat_template (or null: the tokenizer's), dtype, tensor_parallel_size,
-max_model_len (tokens), gpu_memory_utilization, trust_remote_code, temperature, top_p, max_new_tokens, seed,
+appends finished rows to), stats_file, chat (eagle3.chat.encoder.ChatSettings: the prepare stage's tokenizer and
+template), dtype, tensor_parallel_size, max_model_len (tokens), gpu_memory_utilization, trust_remote_code, temperature, top_p, max_new_tokens, seed,
 reasoning ("keep" | "strip"), reasoning_start, reasoning_end, batch_rows, min_batch_rows, inject_oom_batches (test
 hook: batch numbers whose first attempt raises an out-of-memory error).
 
@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from eagle3.chat.errors import BadRow
 from eagle3.support.io import atomic_write_json
 
 END_OF_TURN_RESERVE = 8  # tokens of max_model_len kept free after a regenerated answer (end of turn + newline)
@@ -54,7 +55,7 @@ def _assistant_turns(messages: list[dict]) -> list[int]:
     return [i for i, m in enumerate(messages) if m["role"] == "assistant"]
 
 
-def regenerate_batch(llm, tokenizer, rows: list[dict], job: dict, stats: dict) -> list[dict]:
+def regenerate_batch(llm, encoder, rows: list[dict], job: dict, stats: dict) -> list[dict]:
     """Regenerate every assistant turn of ``rows`` ({"index", "messages"}), turn by turn. Returns journal lines.
 
     ``stats["tokens_generated"]`` grows only when the whole batch is done: a batch that runs out of memory at a later
@@ -74,12 +75,10 @@ def regenerate_batch(llm, tokenizer, rows: list[dict], job: dict, stats: dict) -
             if s["dropped"] or s["done"] >= len(s["turns"]):
                 continue
             at = s["turns"][s["done"]]
-            try:
-                ids = tokenizer.apply_chat_template(s["messages"][:at], chat_template=job.get("chat_template"),
-                                                    add_generation_prompt=True, tokenize=True, return_dict=True)
-                ids = list(ids["input_ids"])
-            except Exception as e:  # noqa: BLE001 - a template that raises on this row: the row is dropped, named
-                s["dropped"] = {"reason": "template_error", "detail": f"{type(e).__name__}: {e}"[:300]}
+            try:  # rendered by the one chat encoder, with the prepare stage's tokenizer and template
+                (ids,) = encoder.prompt_ids([s["messages"][:at]])
+            except BadRow as e:  # a template that raises on this row: the row is dropped, named
+                s["dropped"] = {"reason": "template_error", "detail": str(e)[:300]}
                 continue
             # the answer may take what is left of max_model_len, less what the template writes after it (the
             # end-of-turn token and its newline): a conversation that fills the context must still fit it
@@ -139,9 +138,9 @@ def append_journal(path: Path, lines: list[dict]) -> None:
 
 
 def main(job_path: str) -> int:
-    from transformers import AutoTokenizer
     from vllm import LLM
 
+    from eagle3.chat.encoder import ChatSettings
     from eagle3.support.gpu import is_oom_text
 
     job = json.loads(Path(job_path).read_text())
@@ -149,7 +148,7 @@ def main(job_path: str) -> int:
     journal = Path(job["journal"])
     stats = {"rows": len(rows), "tokens_generated": 0, "generate_seconds": 0.0, "oom_halvings": 0,
              "batch_rows": int(job["batch_rows"])}
-    tokenizer = AutoTokenizer.from_pretrained(job["verifier"], trust_remote_code=bool(job["trust_remote_code"]))
+    encoder = ChatSettings.model_validate(job["chat"]).encoder()
     t0 = time.monotonic()
     llm = LLM(model=job["verifier"], dtype=job["dtype"], tensor_parallel_size=int(job["tensor_parallel_size"]),
               max_model_len=int(job["max_model_len"]), gpu_memory_utilization=float(job["gpu_memory_utilization"]),
@@ -167,7 +166,7 @@ def main(job_path: str) -> int:
             if batch_no in inject:
                 inject.discard(batch_no)
                 raise InjectedOOM("CUDA out of memory (injected by the test hook inject_oom_batches)")
-            lines = regenerate_batch(llm, tokenizer, batch, job, stats)
+            lines = regenerate_batch(llm, encoder, batch, job, stats)
         except Exception as e:  # only OOM is handled here; anything else ends the driver with its traceback
             if not is_oom_text(f"{type(e).__name__}: {e}"):
                 raise

@@ -28,6 +28,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
+from eagle3.chat.encoder import ChatSettings
+from eagle3.chat.sources import read_prompt_messages
 from eagle3.draft.checkpoint import WEIGHTS
 from eagle3.support.artifacts import Artifact, file_problem
 from eagle3.support.gpu import DeviceGuard, cuda_device_ids, file_lock_guard
@@ -40,7 +42,6 @@ from eagle3.validate.config import ValidateConfig
 from eagle3.validate.contract import validate_checkpoint
 from eagle3.validate.report import verdict_line, write_report
 from eagle3.validate.verdict import Criterion, judge
-from eagle3.validate.vllm_check import read_prompt_messages
 
 log = logging.getLogger("eagle3")
 
@@ -50,9 +51,10 @@ VLLM_LOG = "vllm.log"  # everything vLLM printed, in <out_dir>/vllm/ (the logs c
 
 
 def run_vllm_check(cfg: ValidateConfig, verifier_path: str | os.PathLike, draft_dirs: list[str | os.PathLike],
-                   prompts_path: str | os.PathLike, work_dir: str | os.PathLike,
+                   prompts: list[list[int]], work_dir: str | os.PathLike,
                    lock_fds: tuple[int, ...] | list[int] = ()) -> dict[str, Any]:
-    """Run eagle3.validate.vllm_check in the vLLM interpreter for each draft (one subprocess, one baseline run).
+    """Run eagle3.validate.vllm_check in the vLLM interpreter for each draft (one subprocess, one baseline run) on
+    the prompts' token ids (``prompts``: rendered by the pipeline's chat encoder, ``prompt_ids``).
 
     Returns its result (see eagle3.validate.vllm_check.run_check). Raises ``eagle3.support.subproc.SubprocessFailed`` when the
     subprocess fails or times out (its process group is killed), FileNotFoundError when there is no vLLM interpreter.
@@ -63,7 +65,7 @@ def run_vllm_check(cfg: ValidateConfig, verifier_path: str | os.PathLike, draft_
     out.unlink(missing_ok=True)
     args = {
         "verifier": str(Path(verifier_path).resolve()), "drafts": [str(Path(d).resolve()) for d in draft_dirs],
-        "prompts_path": str(Path(resolve_path(prompts_path)).resolve()), "num_prompts": cfg.num_prompts,
+        "prompt_token_ids": prompts, "num_prompts": len(prompts),
         "max_new_tokens": cfg.max_new_tokens, "num_speculative_tokens": cfg.num_speculative_tokens,
         "tensor_parallel_size": cfg.tensor_parallel_size, "dtype": cfg.dtype, "max_model_len": cfg.max_model_len,
         "gpu_memory_utilization": cfg.gpu_memory_utilization, "enforce_eager": cfg.enforce_eager,
@@ -153,15 +155,23 @@ class ValidationReport(Artifact):
                              "criteria": [c.model_dump() for c in self.criteria] if self.criteria else None})
 
 
+def prompt_ids(chat: ChatSettings, prompts_path: str | os.PathLike, num_prompts: int) -> list[list[int]]:
+    """The held-out prompts (the first user turn of each of the first ``num_prompts`` conversations) rendered with
+    the generation prompt by the ONE chat encoder prepare trained on (``chat``: tokenizer + template override), so
+    validation measures the prompt format training saw; the same ids go to vLLM and the offline reference."""
+    return chat.encoder().prompt_ids(read_prompt_messages(prompts_path, num_prompts))
+
+
 def validate_draft(cfg: ValidateConfig, checkpoint: DraftCheckpoint | str | os.PathLike, out_dir: str | os.PathLike,
                    *, verifier: str | os.PathLike | None = None, prompts_path: str | os.PathLike | None = None,
-                   guard: DeviceGuard | None = None) -> ValidationReport:
+                   chat: ChatSettings | None = None, guard: DeviceGuard | None = None) -> ValidationReport:
     """The validate stage: integrity -> structural check -> vLLM check -> offline parity (if enabled) -> verdict ->
     report files in ``out_dir``.
 
     ``checkpoint``: the train stage's artifact (its recorded weights hash is compared first) or a checkpoint
-    folder (then ``verifier`` is required); ``prompts_path`` defaults to ``cfg.prompts_path``; ``guard`` holds the
-    devices while vLLM runs (default: the host file lock alone).
+    folder (then ``verifier`` is required); ``prompts_path`` defaults to ``cfg.prompts_path``; ``chat`` renders them
+    (the pipeline's chat settings; default: the verifier's own tokenizer and template); ``guard`` holds the devices
+    while vLLM runs (default: the host file lock alone).
     """
     out_dir = Path(out_dir)
     if isinstance(checkpoint, DraftCheckpoint):
@@ -175,6 +185,7 @@ def validate_draft(cfg: ValidateConfig, checkpoint: DraftCheckpoint | str | os.P
             raise ValueError("validate_draft: pass the verifier path with a plain checkpoint folder")
         draft_dir, recorded_sha, verifier_path = Path(checkpoint), None, verifier
     prompts_path = Path(resolve_path(prompts_path or cfg.prompts_path))
+    chat = chat or ChatSettings(tokenizer_path=str(verifier_path), trust_remote_code=cfg.trust_remote_code)
     report: dict[str, Any] = {"format": "eagle3-validation/1", "draft_dir": str(draft_dir),
                               "verifier_path": str(verifier_path), "prompts_path": str(prompts_path),
                               "settings": cfg.model_dump(mode="json")}
@@ -197,13 +208,13 @@ def validate_draft(cfg: ValidateConfig, checkpoint: DraftCheckpoint | str | os.P
     else:
         # bad settings are errors, not verdicts: no vLLM interpreter, an unusable prompts file
         vllm_python(cfg.vllm_python)
-        read_prompt_messages(prompts_path, cfg.num_prompts)
+        prompts = prompt_ids(chat, prompts_path, cfg.num_prompts)
         drafts = [draft_dir]
         if cfg.compare_untrained:
             drafts.append(make_untrained_draft(draft_dir, verifier_path, out_dir / "untrained-draft"))
         try:
             with (guard or file_lock_guard(logger=log))(cuda_device_ids(count=cfg.tensor_parallel_size)) as fds:
-                result = run_vllm_check(cfg, verifier_path, drafts, prompts_path, out_dir / "vllm", lock_fds=fds)
+                result = run_vllm_check(cfg, verifier_path, drafts, prompts, out_dir / "vllm", lock_fds=fds)
         except SubprocessFailed as e:  # a draft vLLM cannot load (or run in time) is a verdict, not a crash
             report["vllm"] = {"error": str(e)}
         else:
@@ -231,8 +242,8 @@ def validate_draft(cfg: ValidateConfig, checkpoint: DraftCheckpoint | str | os.P
         from eagle3.validate.specdec import offline_acceptance
 
         log.info("[validate] offline reference: transformers verifier + this draft on %d prompts", cfg.num_prompts)
-        off = offline_acceptance(verifier_path, draft_dir, prompts_path, cfg.num_prompts, cfg.num_speculative_tokens,
-                                 cfg.max_new_tokens, cfg.trust_remote_code)
+        off = offline_acceptance(verifier_path, draft_dir, prompt_ids(chat, prompts_path, cfg.num_prompts),
+                                 cfg.num_speculative_tokens, cfg.max_new_tokens, cfg.trust_remote_code)
         report["offline"] = {"acceptance": off.acceptance.to_dict(), "seconds": off.seconds}
         if vllm_acc is not None:
             rel = _relative_difference(off.acceptance.mean_acceptance_length, vllm_acc["mean_acceptance_length"])

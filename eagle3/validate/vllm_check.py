@@ -40,8 +40,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3.support.chat import FORMATS, canonical_role, detect_format
-
 # ----------------------------------------------------------------------------- shared with the offline reference
 
 
@@ -94,67 +92,10 @@ class AcceptanceStats:
                    accepted_per_pos=[int(a) for a in d["accepted_per_pos"]])
 
 
-class PromptError(ValueError):
-    """The prompts file is missing, malformed or holds too few usable conversations; the message names the line."""
-
-
-def read_prompt_messages(path: str | os.PathLike, num_prompts: int) -> list[list[dict[str, str]]]:
-    """The first user turn (with the system message before it, if any) of the first ``num_prompts`` conversations.
-
-    Accepts OpenAI (``{"messages": [{"role", "content"}]}``) and ShareGPT (``{"conversations": [{"from", "value"}]}``)
-    jsonl lines.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise PromptError(f"prompts file not found: {path}")
-    prompts: list[list[dict[str, str]]] = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if len(prompts) >= num_prompts:
-                break
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PromptError(f"{path}:{line_no}: not valid JSON ({e})") from None
-            if not isinstance(record, dict):
-                raise PromptError(f"{path}:{line_no}: a JSON {type(record).__name__}, not an object")
-            fmt = detect_format(record)
-            if fmt is None:
-                raise PromptError(f"{path}:{line_no}: neither 'messages' (OpenAI) nor 'conversations' (ShareGPT)")
-            key, role_key, text_key = FORMATS[fmt]
-            if not (isinstance(record[key], list) and all(isinstance(t, dict) for t in record[key])):
-                raise PromptError(f"{path}:{line_no}: '{key}' must be a list of objects")
-            turns = [(canonical_role(t.get(role_key)), t.get(text_key)) for t in record[key]]
-            prompt = []
-            for role, content in turns:
-                if role not in ("system", "user") or not isinstance(content, str):
-                    break
-                prompt.append({"role": role, "content": content})
-                if role == "user":
-                    break
-            if not prompt or prompt[-1]["role"] != "user":
-                raise PromptError(f"{path}:{line_no}: no user turn before the first assistant turn")
-            prompts.append(prompt)
-    if len(prompts) < num_prompts:
-        raise PromptError(f"{path} holds {len(prompts)} conversations, {num_prompts} prompts were asked for")
-    return prompts
-
-
 def load_tokenizer(verifier_path: str | os.PathLike, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(verifier_path), trust_remote_code=trust_remote_code)
-
-
-def prompt_token_ids(tokenizer, prompts: list[list[dict[str, str]]]) -> list[list[int]]:
-    """Chat template with the generation prompt, tokenized: the exact ids both vLLM and the offline loop read."""
-    out = []
-    for messages in prompts:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
-        out.append([int(i) for i in ids["input_ids"]])
-    return out
 
 
 def stop_token_ids(verifier_path: str | os.PathLike, tokenizer) -> list[int]:
@@ -283,9 +224,8 @@ def run_check(args: dict[str, Any]) -> dict[str, Any]:
     """Every draft in ``args["drafts"]`` with speculation, then the verifier alone; compare token ids."""
     import vllm
 
-    tokenizer = load_tokenizer(args["verifier"], bool(args.get("trust_remote_code", False)))
-    messages = read_prompt_messages(args["prompts_path"], int(args["num_prompts"]))
-    prompts = prompt_token_ids(tokenizer, messages)
+    tokenizer = load_tokenizer(args["verifier"], bool(args.get("trust_remote_code", False)))  # decoding, stop ids
+    prompts = [list(map(int, p)) for p in args["prompt_token_ids"]]  # rendered by the stage's chat encoder
     _log(f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens from "
          f"{args['prompts_path']}")
     drafts = [_generate(args, prompts, d) for d in args["drafts"]]
