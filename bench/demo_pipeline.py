@@ -25,7 +25,7 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from eagle3.config import load_config, parse_set
 from eagle3.support.subproc import start_reaper
-from eagle3.validate.report import speed_spread
+from eagle3.validate.report import speed_spread, speed_summary_text
 from flows.eagle3_pipeline import eagle3_pipeline
 
 
@@ -70,10 +70,12 @@ def main() -> None:
     report = json.loads(Path(r["report"]).with_name("report.json").read_text())
     speed = (report.get("vllm") or {}).get("speed") or {}
     if speed.get("speedup") is not None:
-        print(f"decoding speedup {speed['speedup']:.3f}x (output tok/s with draft {speed['draft_output_tokens_per_second']}"
-              f", without {speed['baseline_output_tokens_per_second']})")
-        if (spread := speed_spread(speed)) is not None:
-            print(f"  not reliable: the repeats ranged {spread} (the machine's load changed during the measurement)")
+        print(f"decoding speedup {speed_summary_text(speed)} (engine sessions {speed.get('schedule')})")
+        for lv in speed.get("levels") or [speed]:
+            print(f"  {lv['concurrency']} in flight: tok/s with the draft {lv['draft_output_tokens_per_second']}, "
+                  f"without {lv['baseline_output_tokens_per_second']}, load {lv.get('load_1min')}")
+            if (spread := speed_spread(lv)) is not None:
+                print(f"  not reliable: the repeats ranged {spread} (the machine's load changed during the measurement)")
     print(f"machine load at the end (1/5/15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

@@ -52,7 +52,7 @@ def build_untrained_draft(out: Path) -> Path:
                     ids = torch.tensor(tok(m["content"])["input_ids"])
                     counts += torch.bincount(ids, minlength=spec.vocab_size)
     d2t, t2d, _ = build_vocab_mapping(counts, DRAFT_VOCAB)
-    cfg = DraftConfig.build(spec, draft_vocab_size=DRAFT_VOCAB, aux_layer_ids=spec.default_aux_layer_ids())
+    cfg = DraftConfig.build(spec, draft_vocab_size=DRAFT_VOCAB, aux_layer_ids=spec.resolve_aux_layer_ids(None))
     draft = Eagle3Draft.from_verifier(cfg, SMOLLM2_DIR, d2t, t2d, seed=0)
     return save_draft(out, cfg, draft.state_dict(), {"verifier": str(SMOLLM2_DIR), "untrained": True})
 

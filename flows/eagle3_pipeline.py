@@ -152,7 +152,7 @@ def eagle3_pipeline(config: PipelineConfig = DEFAULT_CONFIG, overrides: dict[str
     summary = {"run_dir": config.run_dir, "checkpoint": checkpoint.checkpoint_dir, "report": report.report_md,
                "verdict": report.verdict, "mean_acceptance_length": report.mean_acceptance_length,
                "untrained_mean_acceptance_length": report.untrained_mean_acceptance_length,
-               "weights_sha256": checkpoint.weights_sha256}
+               "decode_speedup": report.decode_speedup, "weights_sha256": checkpoint.weights_sha256}
     weights = os.path.join(checkpoint.checkpoint_dir or "", WEIGHTS)
     modified = None
     if checkpoint.weights_sha256 and (not os.path.isfile(weights) or sha256_file(weights) != checkpoint.weights_sha256):
@@ -225,7 +225,11 @@ class PipelineCLI(BaseSettings):
         import json
 
         print("\n" + json.dumps(result, indent=2))
-        print(f"\nDraft checkpoint (vLLM-ready): {result['checkpoint']}\nValidation report: {result['report']}")
+        mal, speedup = result.get("mean_acceptance_length"), result.get("decode_speedup")
+        print(f"\nvLLM mean acceptance length: {'not measured' if mal is None else f'{mal:.3f}'} tokens per verifier "
+              f"step; decoding speedup one request at a time: {'not measured' if speedup is None else f'{speedup:.2f}x'}"
+              f" (the report has every concurrency level)")
+        print(f"Draft checkpoint (vLLM-ready): {result['checkpoint']}\nValidation report: {result['report']}")
 
 
 def split_set_args(argv: list[str]) -> tuple[list[str], list[str]]:

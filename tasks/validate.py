@@ -17,7 +17,7 @@ from eagle3.config import HostConfig
 from eagle3.support.display import NOT_MEASURED, measured, sig
 from eagle3.train.stage import DraftCheckpoint
 from eagle3.validate.config import ValidateConfig
-from eagle3.validate.report import ACCEPTANCE_IMAGE, speed_spread
+from eagle3.validate.report import ACCEPTANCE_IMAGE, concurrency_label, speed_spread
 from eagle3.validate.stage import ValidationReport, validate_draft
 from eagle3.validate.verdict import PER_STEP
 from tasks import artifacts
@@ -43,9 +43,13 @@ def acceptance_rows(report: ValidationReport) -> list[dict]:
         rows += [{"figure": f"acceptance at position {i + 1} (share of verifier steps)", "value": r}
                  for i, r in enumerate(report.per_position_acceptance or [])]
         speed = (report.report().get("vllm") or {}).get("speed") or {}
-        noisy = " (not reliable: the load changed)" if speed and speed_spread(speed) else ""
-        rows += [{"figure": "decoding speedup (reported, not gated)",
-                  "value": NOT_MEASURED if report.decode_speedup is None else f"{sig(report.decode_speedup)}x{noisy}"}]
+        levels = speed.get("levels") or ([speed] if speed else [])
+        for lv in levels:
+            noisy = " (not reliable: the load changed)" if speed_spread(lv) else ""
+            rows.append({"figure": f"decoding speedup, {concurrency_label(lv.get('concurrency', 1))} (not gated)",
+                         "value": NOT_MEASURED if lv.get("speedup") is None else f"{sig(lv['speedup'])}x{noisy}"})
+        if not levels:
+            rows.append({"figure": "decoding speedup (reported, not gated)", "value": NOT_MEASURED})
     return rows
 
 

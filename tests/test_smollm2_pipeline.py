@@ -24,7 +24,8 @@ def test_smollm2_pipeline_regenerates_trains_and_beats_the_untrained_floor(prefe
     overrides = {
         "runs_dir": str(tmp_path / "runs"), "data.max_samples": 64, "max_seq_len": 512,
         "regenerate.max_new_tokens": 64, "train.epochs": 2, "validate.num_prompts": 4,
-        "validate.max_new_tokens": 32, "validate.speed_repeats": 1, "validate.compare_untrained": False,
+        "validate.max_new_tokens": 32, "validate.speed_repeats": 1, "validate.speed_concurrency": [1, 2],
+        "validate.speed_schedule": "ABA", "validate.compare_untrained": False,
         "validate.min_mean_acceptance_length": MIN_MEAN_ACCEPTANCE_LENGTH,
     }
     state = eagle3_pipeline(load_config("smollm2"), overrides=overrides, return_state=True)
@@ -35,7 +36,10 @@ def test_smollm2_pipeline_regenerates_trains_and_beats_the_untrained_floor(prefe
     print(json.dumps({"trained": vllm["acceptance"], "speed": vllm["speed"]}, indent=1))
     assert result["verdict"] == "pass" and vllm["lossless"]  # the verdict enforces the floor
     assert vllm["acceptance"]["mean_acceptance_length"] >= MIN_MEAN_ACCEPTANCE_LENGTH
-    assert vllm["speed"]["speedup"] > 0 and len(vllm["speed"]["draft_output_tokens_per_second"]) == 1
+    speed = vllm["speed"]  # ABA: the draft's engine twice, one timed decode per level in each session
+    assert vllm["engine_starts"] == 3 and speed["schedule"] == "ABA"
+    assert [lv["concurrency"] for lv in speed["levels"]] == [1, 2] and speed["speedup"] > 0
+    assert len(speed["draft_output_tokens_per_second"]) == 2 and len(speed["baseline_output_tokens_per_second"]) == 1
     regen = json.loads(next(Path(result["run_dir"]).glob("regenerate-*/stats.json")).read_text())
     assert regen["rows_in"] == 64 and regen["rows_written"] + regen["rows_dropped"] == 64
     assert regen["sampling"]["max_new_tokens"] == 64 and regen["tokens_generated"] > 0

@@ -107,6 +107,32 @@ def test_teacher_oracle_scores_one_at_every_step_and_off_by_one_does_not():
     assert ttt.draft.w.grad is not None
 
 
+@pytest.mark.parametrize("loss", ["lk_alpha", "lk_lambda"])
+def test_lk_losses_vanish_at_the_teacher_and_reach_the_draft(loss):
+    """Issue 17: the LK losses aim at the acceptance rate alpha = sum min(p, q): zero for the oracle draft (q = p,
+    alpha = 1), positive off by one, differentiable; lk_lambda with lk_eta 0 is the KL itself. The metrics' loss
+    stays the KL."""
+    batch = _batch([[6, 5], [12]], t=12)
+    norm = batch.counted.float()
+    for shift in (0, -1):
+        ttt = _ttt(nn.Identity())
+        ttt.loss = loss
+        teacher = ttt.teacher_logits(batch.final)
+        ttt.draft = OracleDraft(batch, teacher, shift)
+        value, stats = ttt(batch, norm)
+        if shift == 0:
+            assert abs(float(value.detach())) < 1e-4
+        else:
+            assert float(value.detach()) > 0.1
+            kl = summarize(stats, ttt.weights)["loss"]
+            ttt.loss, ttt.lk_eta = "lk_lambda", 0.0
+            assert abs(float(ttt(batch, norm)[0].detach()) - kl) < 1e-4 * kl
+            value.backward()
+            assert ttt.draft.w.grad is not None
+    with pytest.raises(ValueError, match="one of kl, lk_alpha, lk_lambda"):
+        TrainingTimeTest(nn.Identity(), torch.ones(H), torch.randn(D, H), 1e-6, K, 0.8, loss="tv")
+
+
 def test_metrics_from_counts():
     # per step: kl_sum, counted, correct, alive, alive_correct
     stats = torch.tensor([[2.0, 10, 8, 10, 8], [3.0, 10, 6, 8, 5], [0.0, 0, 0, 0, 0]], dtype=torch.float64)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import vocab_tables
+from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
 from eagle3.draft.checkpoint import save_draft
@@ -361,17 +362,55 @@ def test_report_without_vllm_has_no_png_and_lists_reasons(tmp_path):
     assert "**FAIL**" in md and "[not_lossless] outputs differ" in md and "not run: the checkpoint failed" in md
 
 
+def _speed(levels: list[tuple[int, list[float], list[float]]], schedule: str = "ABBA") -> dict:
+    """report.json's ``vllm.speed`` as eagle3.validate.vllm_check.speed_summary writes it (+ the stage's repeats)."""
+    from eagle3.validate.vllm_check import speed_summary
+
+    rounds = {who: [{"concurrency": c, "requests": max(8, 2 * c), "output_tokens_per_second": x, "load_1min": 1.5}
+                    for c, a, b in levels for x in (a if who == "A" else b)] for who in "AB"}
+    return {"repeats": 1, **speed_summary(schedule, [c for c, _, _ in levels], rounds["A"], rounds["B"], 4)}
+
+
 def test_report_flags_a_speedup_whose_repeats_disagree():
     """The tiny demo at load 4 printed a 20.7x speedup from repeats of 30-660 tok/s: such a figure is flagged."""
     rep = _sample_report()
-    rep["vllm"]["speed"] = {"repeats": 3, "speedup": 1.05, "draft_output_tokens_per_second": [100.0, 104.0, 98.0],
-                            "baseline_output_tokens_per_second": [95.0, 97.0, 99.0]}
+    rep["vllm"]["speed"] = _speed([(1, [100.0, 104.0, 98.0], [95.0, 97.0, 99.0])])
     md = render_markdown(rep)
-    assert "speedup **1.05x**" in md and "not reliable" not in md
-    rep["vllm"]["speed"] = {"repeats": 3, "speedup": 20.7, "draft_output_tokens_per_second": [30.0, 620.0, 660.0],
-                            "baseline_output_tokens_per_second": [30.0, 31.0, 29.0]}
+    assert "| 1 | 8 | 100, 104, 98.0 | 95.0, 97.0, 99.0 | **1.03x** |" in md and "not reliable" not in md
+    rep["vllm"]["speed"] = _speed([(1, [100.0, 104.0], [95.0, 97.0]), (4, [30.0, 620.0, 660.0], [30.0, 31.0, 29.0])])
     md = render_markdown(rep)
-    assert "ranged 30-660 tok/s with the draft, 29-31 tok/s without" in md and "not reliable" in md
+    assert "| 4 | 8 | 30.0, 620, 660 | 30.0, 31.0, 29.0 | 20.7x |" in md
+    assert "at 4 in flight the repeats ranged 30-660 tok/s with the draft, 29-31 tok/s without" in md
+    assert "order ABBA (4 engine starts" not in md  # the stage records the starts beside the speed, not in it
+    rep["vllm"]["engine_starts"] = 4
+    assert "in the order ABBA (4 engine starts in all)" in render_markdown(rep)
+
+
+def test_speed_summary_per_concurrency_level():
+    """Issue 17: the speedup per concurrency level (medians of every timed decode of each engine), the first level the
+    headline, repeated at the top level."""
+    sp = _speed([(1, [15.0, 14.0], [10.0, 11.0]), (4, [30.0, 32.0], [34.0, 33.0])])
+    assert [lv["concurrency"] for lv in sp["levels"]] == [1, 4]
+    assert sp["speedup"] == sp["levels"][0]["speedup"] == 14.5 / 10.5
+    assert sp["levels"][1]["speedup"] == 31.0 / 33.5
+    assert sp["concurrency"] == 1 and sp["draft_output_tokens_per_second"] == [15.0, 14.0]
+    assert sp["levels"][0]["load_1min"] == [1.5, 1.5] and sp["levels"][1]["requests"] == 8
+
+
+def test_speed_requests_repeat_the_prompts_to_twice_the_concurrency():
+    from eagle3.validate.vllm_check import speed_requests
+
+    prompts = [[1], [2], [3]]
+    assert speed_requests(prompts, 1) == prompts
+    assert speed_requests(prompts, 4) == [[1], [2], [3], [1], [2], [3], [1], [2]]
+
+
+def test_speed_settings_refuse_bad_schedules_and_levels():
+    for bad in ({"speed_schedule": "AA"}, {"speed_schedule": "BB"}, {"speed_schedule": "AXB"},
+                {"speed_concurrency": [1, 1]}, {"speed_concurrency": [0]}, {"speed_concurrency": []}):
+        with pytest.raises(ValidationError):
+            ValidateConfig(**bad)
+    assert ValidateConfig(speed_schedule="ABBA", speed_concurrency=[1, 4, 16]).speed_schedule == "ABBA"
 
 
 def _criteria(report: dict, cfg: ValidateConfig, recorded: str | None = "a" * 64) -> dict[str, dict]:
@@ -385,9 +424,8 @@ def test_verdict_states_each_criterion_with_what_it_requires_and_the_value_measu
     """Issue 20: a PASS at mean acceptance length 1.10 said nothing of what was required. Each criterion now says
     what passes (or that no threshold is set) and the value measured beside it, rounded for people."""
     rep = _sample_report()
-    rep["vllm"].update(num_prompts=8, mismatches=[], speed={
-        "repeats": 3, "speedup": 0.8831, "draft_output_tokens_per_second": [47.41, 23.0, 84.0],
-        "baseline_output_tokens_per_second": [53.71, 51.0, 73.0]})
+    rep["vllm"].update(num_prompts=8, mismatches=[], speed=_speed(
+        [(1, [47.41, 23.0, 84.0], [53.71, 51.0, 73.0]), (4, [40.0], [50.0])]))
     cfg = ValidateConfig(compare_untrained=True, offline_reference=True)  # no min_mean_acceptance_length
     by, reasons = _criteria(rep, cfg)
     assert reasons == []
@@ -400,7 +438,8 @@ def test_verdict_states_each_criterion_with_what_it_requires_and_the_value_measu
     assert by["gain over the untrained draft"]["measured"] == "+1.15 (2.25 trained vs 1.10 untrained)"
     assert by["offline reference agrees with vLLM"]["measured"] == "2.22% apart (offline 2.30, vLLM 2.25)"
     assert by["offline reference agrees with vLLM"]["required"].startswith("mean acceptance lengths within 10%")
-    assert by["decoding speedup"]["measured"].startswith("0.883x: 47.4 output tokens/s with the draft vs 53.7 without")
+    assert by["decoding speedup"]["measured"].startswith("0.883x at one request at a time: 47.4 output tokens/s with "
+                                                         "the draft vs 53.7 without; 0.800x at 4 (medians")
     assert "not reliable" in by["decoding speedup"]["measured"] and by["decoding speedup"]["result"] == "not gated"
     assert by["weights are the ones trained"]["result"] == "met"
     assert by["checkpoint files match vLLM's contract"]["measured"] == "ok"

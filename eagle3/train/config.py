@@ -40,6 +40,17 @@ class TrainConfig(BaseModel):
     ttt_steps: int = Field(7, gt=0, description="Training-time-test unroll depth K in draft steps (EAGLE-3: 7; "
                            "vLLM serving often drafts 3).")
     step_weight_decay: float = Field(0.8, gt=0, le=1, description="Loss weight of TTT step k is this ** k.")
+    loss: Literal["kl", "lk_alpha", "lk_lambda"] = Field(
+        "kl", description="Per-token loss of each TTT step against the teacher distribution p (the verifier's, over "
+        "the draft vocabulary) with the draft's q: 'kl' = forward KL(p || q) (EAGLE-3); the LK losses (Samarin et al., "
+        "arXiv 2602.23881; SpecForge --lk-loss-type) aim at the acceptance rate alpha = sum_v min(p_v, q_v) itself: "
+        "'lk_alpha' = -log(alpha), 'lk_lambda' = lam * KL + (1 - lam) * (1 - alpha) with lam = exp(-lk_eta * alpha) "
+        "(alpha not differentiated there): mostly KL while the draft is poor, mostly acceptance once it is good.")
+    lk_eta: float = Field(3.0, ge=0, description="'lk_lambda' loss: how fast the KL weight falls with the acceptance "
+                          "rate alpha (a fraction), lam = exp(-lk_eta * alpha); 0 = pure KL.")
+    max_samples: int | None = Field(
+        None, gt=0, description="Train (and validate) on the store's first N samples only, in its sample order (the "
+        "prepared data's order); None = all. One extraction then serves runs at several data sizes.")
     val_ratio: float = Field(0.05, ge=0, lt=1, description="Fraction of samples held out for validation "
                              "(deterministic in seed).")
     seed: int = Field(0, description="Seed of the draft init, split and per-epoch batch order.")

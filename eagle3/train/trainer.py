@@ -143,9 +143,10 @@ class Trainer:
         self.draft = Eagle3Draft.from_verifier(self.draft_cfg, self.verifier_path, d2t, t2d, seed=cfg.seed)
         head = load_verifier_head(self.verifier_path, torch.arange(len(d2t)) + d2t, with_embedding=False)
 
-        lengths = {i: min(self.store.tokens(i), cfg.max_seq_len) for i in self.store.indices()}
+        samples = sorted(self.store.indices())[:cfg.max_samples]  # None: all
+        lengths = {i: min(self.store.tokens(i), cfg.max_seq_len) for i in samples}
         self.truncated = sum(1 for i in lengths if self.store.tokens(i) > cfg.max_seq_len)
-        train_idx, val_idx = split_indices(self.store.indices(), cfg.val_ratio, cfg.seed)
+        train_idx, val_idx = split_indices(samples, cfg.val_ratio, cfg.seed)
         self.train_bins = pack_samples({i: lengths[i] for i in train_idx}, cfg.max_seq_len)
         self.val_bins = pack_samples({i: lengths[i] for i in val_idx}, cfg.max_seq_len)
         self.packing = packing_efficiency(self.train_bins, lengths, cfg.max_seq_len)
@@ -158,7 +159,8 @@ class Trainer:
 
         self.draft.to(self.device)
         self.ttt = TrainingTimeTest(self.draft, head.norm_weight, head.lm_head, head.rms_norm_eps, cfg.ttt_steps,
-                                    cfg.step_weight_decay, self.autocast).to(self.device)
+                                    cfg.step_weight_decay, self.autocast, loss=cfg.loss, lk_eta=cfg.lk_eta
+                                    ).to(self.device)
         self.model = self._wrap(self.ttt)
         params = [p for p in self.draft.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)

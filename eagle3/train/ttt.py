@@ -27,8 +27,9 @@ still accepted under greedy verification).
 
 Teacher: the verifier's final norm + lm_head rows of the draft vocabulary applied to the stored final state,
 softmax over the draft vocabulary (the verifier distribution restricted to the draft vocab). Loss per step: forward
-KL(teacher || draft), averaged over counted entries of the whole optimizer step (all micro-batches, all ranks);
-total = sum_k step_weight_decay**k * loss_k.
+KL(teacher || draft) (or an LK loss, TrainConfig.loss), averaged over counted entries of the whole optimizer step (all
+micro-batches, all ranks); total = sum_k step_weight_decay**k * loss_k. The metrics' loss is the KL whatever the
+training loss.
 
 Metrics per step k: accuracy = P(draft argmax == teacher argmax) over counted entries; conditional accuracy = the
 same among entries whose steps 0 .. k-1 were all right (a chain still alive). Simulated acceptance length, on vLLM's
@@ -92,8 +93,12 @@ class TrainingTimeTest(nn.Module):
     """
 
     def __init__(self, draft: nn.Module, teacher_norm: torch.Tensor, teacher_lm_head: torch.Tensor, eps: float,
-                 ttt_steps: int, step_weight_decay: float, autocast_dtype: torch.dtype | None = None):
+                 ttt_steps: int, step_weight_decay: float, autocast_dtype: torch.dtype | None = None,
+                 loss: str = "kl", lk_eta: float = 3.0):
         super().__init__()
+        if loss not in ("kl", "lk_alpha", "lk_lambda"):
+            raise ValueError(f"loss {loss!r}: one of kl, lk_alpha, lk_lambda")
+        self.loss, self.lk_eta = loss, lk_eta
         self.draft = draft
         self.register_buffer("teacher_norm", teacher_norm, persistent=False)  # [H]
         self.register_buffer("teacher_lm_head", teacher_lm_head, persistent=False)  # [draft_vocab, H]
@@ -140,7 +145,7 @@ class TrainingTimeTest(nn.Module):
             # forward KL(p || q) = cross-entropy(p, q) - entropy(p)
             kl = -(tp * logq).sum(-1) - t_ent[:, 1 + k:]  # [B, n]
             kl_sum = (kl * counted).sum()
-            loss = loss + self.weights[k] * kl_sum / norm[k]
+            loss = loss + self.weights[k] * (self._token_loss(kl, tp, logq) * counted).sum() / norm[k]
             with torch.no_grad():
                 right = logq.argmax(-1) == t_arg[:, 1 + k:]  # [B, n]
                 live = alive[:, :n]
@@ -152,6 +157,17 @@ class TrainingTimeTest(nn.Module):
                 alive[:, :n] &= right & ttt_in_sample(batch.seq_ids, k)[:, :n]
                 alive[:, n:] = False
         return loss, stats
+
+    def _token_loss(self, kl: torch.Tensor, tp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+        """kl: [B, n] forward KL per entry; tp / logq: [B, n, D] teacher probabilities / draft log-probabilities ->
+        [B, n] the configured loss per entry (TrainConfig.loss)."""
+        if self.loss == "kl":
+            return kl
+        alpha = torch.minimum(tp, logq.exp()).sum(-1)  # [B, n] acceptance rate of sampling q against p: 1 - TV(p, q)
+        if self.loss == "lk_alpha":
+            return -torch.log(alpha.clamp_min(1e-6))
+        lam = torch.exp(-self.lk_eta * alpha.detach())  # [B, n]: the KL's share, falling as the draft improves
+        return lam * kl + (1 - lam) * (1 - alpha)
 
 
 def summarize(stats: torch.Tensor, weights: list[float]) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from eagle3.support.settings import RUNTIME
 
@@ -58,9 +58,37 @@ class ValidateConfig(BaseModel):
         False, description="Also run the offline reference (transformers verifier + our draft, eagle3.validate.specdec) on "
         "the same prompts and compare. Needs the verifier to fit in this process: tiny verifiers only.")
     speed_repeats: int = Field(
-        3, ge=0, description="Timed decodes of the same prompts with and without the draft (on warm engines) for the "
-        "decoding speedup = median output tokens/s with the draft / without; 0 = not measured. Reported, never "
-        "gated (on CPU the ratio is noisy, and a draft pays off there only at a high acceptance length).")
+        3, ge=0, description="Timed decodes of the held-out prompts per concurrency level in each engine session of "
+        "speed_schedule, with and without the draft; decoding speedup = median output tokens/s with the draft / "
+        "without, per level. 0 = speed not measured (then only the two engines the acceptance and losslessness "
+        "checks need start). Reported, never gated.")
+    speed_concurrency: list[int] = Field(
+        [1, 4, 16], min_length=1, description="Requests in flight at which the decoding speed is measured, one level "
+        "each (a new request starts when one finishes; max(num_prompts, 2 x level) requests per level, the prompts "
+        "repeated). The first level is the headline: 1 = one request at a time, the latency setting speculative "
+        "decoding is used in.")
+    speed_schedule: str = Field(
+        "AB", description="Order of the engine sessions of the timed decodes, one letter "
+        "per engine start: A = verifier + draft, B = verifier alone, one engine alive at a time (two live CPU engines "
+        "slow each other). The first A and the first B also run the acceptance and losslessness pass. 'AB': no extra "
+        "verifier load; 'ABA' (1 extra) and 'ABBA' (2 extra) cancel a machine load that drifts linearly during the "
+        "measurement. Only used when speed_repeats > 0.")
+
+    @field_validator("speed_concurrency")
+    @classmethod
+    def _levels(cls, v: list[int]) -> list[int]:
+        if any(c < 1 for c in v) or len(set(v)) != len(v):
+            raise ValueError(f"speed_concurrency {v}: positive request counts, each once")
+        return v
+
+    @field_validator("speed_schedule")
+    @classmethod
+    def _schedule(cls, v: str) -> str:
+        if set(v) != {"A", "B"}:
+            raise ValueError(f"speed_schedule {v!r}: letters A (verifier + draft) and B (verifier alone) only, at "
+                             f"least one of each")
+        return v
+
     parity_tolerance: float = Field(
         0.10, gt=0, description="Largest relative difference between offline and vLLM mean acceptance length "
         "(fraction, 0.10 = 10%).")

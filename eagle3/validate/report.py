@@ -92,20 +92,11 @@ def render_markdown(report: dict[str, Any]) -> str:
                          lambda a: f"{a['num_accepted_tokens']:,} / {a['num_draft_tokens']:,}"))
         lossless = "yes" if v.get("lossless") else "NO"
         lines += ["", f"- lossless (speculative output identical to plain greedy): {lossless}"]
-        sp = v.get("speed") or {}
-        if sp.get("speedup") is not None:
-            med = statistics.median
-            lines.append(f"- decoding speed: {sig(med(sp['draft_output_tokens_per_second']))} output tokens/s with "
-                         f"the draft vs {sig(med(sp['baseline_output_tokens_per_second']))} without (medians of "
-                         f"{sp['repeats']} repeats): speedup **{sig(sp['speedup'])}x** (reported, not gated; on CPU a "
-                         f"draft pays off only at a high acceptance length)")
-            if (spread := speed_spread(sp)) is not None:
-                lines.append(f"- the repeats ranged {spread}: the machine's load changed during the measurement "
-                             f"(the engines run one after the other), so the speedup above is not reliable")
         if off:
             lines.append(f"- offline vs vLLM mean acceptance length: "
                          f"{percent(report['offline'].get('relative_difference'))} apart")
-        lines += ["", ACCEPTANCE_IMAGE, ""]
+        lines += ["", ACCEPTANCE_IMAGE]
+        lines += speed_markdown(v.get("speed") or {}, v.get("engine_starts")) + [""]
     elif v:
         lines += ["## Speculative decoding", "", f"not run: {v.get('skipped') or v.get('error', '')[:2000]}", ""]
     return "\n".join(lines)
@@ -118,12 +109,56 @@ NOISY_SPREAD = 2.0  # fastest / slowest repeat of one engine above which the dec
 def speed_spread(speed: dict[str, Any]) -> str | None:
     """The repeats' ranges ("a-b tok/s with the draft, c-d without") when an engine's fastest repeat is more than
     ``NOISY_SPREAD`` times its slowest (or its slowest measured nothing), else None. Each engine decodes the same
-    prompts greedily in every repeat, so a wider spread than a quiet machine's comes from the load changing."""
+    prompts greedily in every repeat, so a wider spread than a quiet machine's comes from the load changing.
+    ``speed``: one concurrency level (report.json's ``speed.levels[i]``) or the headline (``speed`` itself)."""
     runs = {"with the draft": speed.get("draft_output_tokens_per_second") or [],
             "without": speed.get("baseline_output_tokens_per_second") or []}
     if not any(min(r) <= 0 or max(r) / min(r) > NOISY_SPREAD for r in runs.values() if r):
         return None
     return ", ".join(f"{min(r):.0f}-{max(r):.0f} tok/s {who}" for who, r in runs.items() if r)
+
+
+def concurrency_label(c: int) -> str:
+    return "one request at a time" if c == 1 else f"{c} concurrent requests"
+
+
+def speed_summary_text(speed: dict[str, Any]) -> str:
+    """The decoding speedup in one line: the headline level's figures, then the other levels' speedups."""
+    med = statistics.median
+    text = (f"{sig(speed['speedup'])}x at {concurrency_label(speed.get('concurrency', 1))}: "
+            f"{sig(med(speed['draft_output_tokens_per_second']))} output tokens/s with the draft vs "
+            f"{sig(med(speed['baseline_output_tokens_per_second']))} without")
+    others = [lv for lv in speed.get("levels", [])[1:] if lv.get("speedup") is not None]
+    if others:
+        text += "; " + ", ".join(f"{sig(lv['speedup'])}x at {lv['concurrency']}" for lv in others)
+    return text
+
+
+def speed_markdown(speed: dict[str, Any], engine_starts: int | None) -> list[str]:
+    """report.md's decoding-speed lines: how it was timed, one table row per concurrency level, reliability."""
+    if speed.get("speedup") is None:
+        return []
+    levels = speed.get("levels") or [{**speed, "concurrency": speed.get("concurrency", 1)}]
+    loads = [x for lv in levels for x in (lv.get("load_1min") or [])]
+    lines = ["", "### Decoding speed (reported, not gated)", "",
+             f"Output tokens/s of greedy decodes of the prompts with the draft (A) and without (B), one engine alive "
+             f"at a time, engine sessions in the order {speed.get('schedule', 'AB')} "
+             f"({engine_starts if engine_starts is not None else '?'} engine starts in all), {speed['repeats']} timed "
+             f"decode(s) per level and session; speedup = median with / median without"
+             + (f"; machine load (1 min) {min(loads):.1f}-{max(loads):.1f} during the decodes." if loads else "."),
+             "", "| requests in flight | requests | with the draft (tok/s) | without (tok/s) | speedup |",
+             "|---|---|---|---|---|"]
+    for i, lv in enumerate(levels):
+        a = ", ".join(sig(x) for x in lv["draft_output_tokens_per_second"])
+        b = ", ".join(sig(x) for x in lv["baseline_output_tokens_per_second"])
+        x = f"{sig(lv['speedup'])}x" if lv.get("speedup") is not None else "-"
+        lines.append(f"| {lv['concurrency']} | {lv.get('requests', '-')} | {a} | {b} | {f'**{x}**' if i == 0 else x} |")
+    noisy = [(lv, spread) for lv in levels if (spread := speed_spread(lv)) is not None]
+    lines += [""] if noisy else []
+    for lv, spread in noisy:
+        lines.append(f"- at {lv['concurrency']} in flight the repeats ranged {spread}: the machine's load "
+                     f"changed during the measurement, so that speedup is not reliable")
+    return lines
 
 
 def write_report(out_dir: str | os.PathLike, report: dict[str, Any]) -> dict[str, str]:

@@ -9,14 +9,13 @@ artifacts and the run summary all show the same criteria (report.json key ``crit
 
 from __future__ import annotations
 
-import statistics
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
 from eagle3.support.display import NOT_MEASURED, measured, percent, sig, signed
 from eagle3.validate.config import ValidateConfig
-from eagle3.validate.report import speed_spread
+from eagle3.validate.report import speed_spread, speed_summary_text
 
 MET, NOT_MET, NOT_GATED, NOT_CHECKED = "met", "NOT met", "not gated", "not checked"
 PER_STEP = "tokens per verifier step"
@@ -149,11 +148,10 @@ def _judge_acceptance(add, v: dict[str, Any], acc: dict[str, Any], cfg: Validate
     if sp.get("speedup") is None:
         add("decoding speedup", "reported, not gated", f"{NOT_MEASURED} (validate.speed_repeats is 0)", NOT_GATED)
     else:
-        med = statistics.median
-        text = (f"{sig(sp['speedup'])}x: {sig(med(sp['draft_output_tokens_per_second']))} output tokens/s with the "
-                f"draft vs {sig(med(sp['baseline_output_tokens_per_second']))} without (medians of {sp['repeats']} "
-                f"repeats)")
-        if (spread := speed_spread(sp)) is not None:
-            text += f"; not reliable, the repeats ranged {spread}"
+        text = f"{speed_summary_text(sp)} (medians of the timed decodes, engine sessions {sp.get('schedule', 'AB')})"
+        noisy = [f"at {lv.get('concurrency', 1)} in flight the repeats ranged {spread}"
+                 for lv in sp.get("levels") or [sp] if (spread := speed_spread(lv)) is not None]
+        if noisy:
+            text += f"; not reliable: {'; '.join(noisy)}"
         add("decoding speedup", "reported, not gated (on CPU a draft pays off only at a high acceptance length)",
             text, NOT_GATED)

@@ -23,6 +23,12 @@ held-out prompts; ``llm.get_metrics()`` gives
 Then the same verifier WITHOUT speculation generates on the same prompts: at temperature 0 speculative decoding is
 lossless, so the token ids must be identical.
 
+Decoding speed (``speed_repeats`` > 0): the engine with the trained draft (A) and the verifier alone (B) run in the
+sessions of ``speed_schedule`` ("AB", "ABA", "ABBA": one engine start per letter, one engine alive at a time, since
+two live CPU engines slow each other), and each session times ``speed_repeats`` greedy decodes of the prompts at
+every level of ``speed_concurrency`` (requests in flight, ``decode_at_concurrency``). Per level: speedup = median
+output tok/s with the draft / median without; the first level (1: one request at a time) is the headline.
+
 Imports: the standard library at module level (eagle3.validate.specdec and eagle3.validate.stage import the prompt helpers and
 ``AcceptanceStats`` from here); transformers and vLLM only inside the functions that run in the vLLM environment.
 """
@@ -148,10 +154,9 @@ def _log(msg: str) -> None:
     print(f"[vllm_check] {msg}", flush=True)
 
 
-def _generate(args: dict[str, Any], prompts: list[list[int]], draft: str | None) -> dict[str, Any]:
-    """Start one engine (with ``draft`` as the EAGLE-3 draft, or none), generate greedily, free the engine."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+def _engine(args: dict[str, Any], draft: str | None):
+    """Start one engine: the verifier, with ``draft`` as its EAGLE-3 draft (or none). -> (llm, start seconds)."""
+    from vllm import LLM
 
     k = int(args["num_speculative_tokens"])
     tp = int(args["tensor_parallel_size"])
@@ -168,38 +173,103 @@ def _generate(args: dict[str, Any], prompts: list[list[int]], draft: str | None)
         engine_args["gpu_memory_utilization"] = float(args["gpu_memory_utilization"])
     if draft is not None:
         engine_args["speculative_config"] = {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
-    label = f"draft {draft}" if draft else "no speculation"
-    _log(f"starting engine ({label})")
+    _log(f"starting engine ({f'draft {draft}' if draft else 'no speculation'}); LD_PRELOAD="
+         f"{os.environ.get('LD_PRELOAD', '')!r}, load {_load()}")
     t0 = time.monotonic()
     llm = LLM(**engine_args)
     start_s = time.monotonic() - t0
     _log(f"engine ready in {start_s:.1f} s")
-    params = SamplingParams(temperature=0.0, max_tokens=int(args["max_new_tokens"]))
-    before = acceptance_from_metrics(llm.get_metrics(), k)
+    return llm, start_s
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def speed_requests(prompts: list[list[int]], concurrency: int) -> list[list[int]]:
+    """The requests timed at one concurrency level: the prompts, repeated in order up to twice the concurrency when
+    there are fewer (so that ``concurrency`` requests stay in flight for most of the run)."""
+    n = max(len(prompts), 2 * concurrency)
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def decode_at_concurrency(llm, prompts: list[list[int]], params, concurrency: int, tag: str,
+                          num_speculative_tokens: int | None = None) -> dict[str, Any]:
+    """Greedy-decode every prompt with at most ``concurrency`` requests in flight: a new request starts as soon as
+    one finishes (what ``concurrency`` clients that each send their next request at once would see; 1 = one request
+    at a time, the latency setting speculative decoding is for). Timed from the first request to the last token.
+
+    -> {"concurrency", "requests", "output_tokens", "seconds", "output_tokens_per_second", "load_1min"} plus, with a
+    draft (``num_speculative_tokens``), the mean acceptance length of these decodes."""
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    params = params.clone()
+    params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request, when it finishes
+    before = acceptance_from_metrics(llm.get_metrics(), num_speculative_tokens) if num_speculative_tokens else None
+    pending = list(enumerate(prompts))
+    in_flight = tokens = 0
     t0 = time.monotonic()
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    gen_s = time.monotonic() - t0
-    stats = _minus(acceptance_from_metrics(llm.get_metrics(), k), before)
-    # decode speed: the same prompts again on the warm engine, ``speed_repeats`` times (output tokens / second)
-    speed = []
-    for _ in range(int(args.get("speed_repeats", 0))):
+    while pending or engine.has_unfinished_requests():
+        while pending and in_flight < concurrency:
+            i, p = pending.pop(0)
+            engine.add_request(f"{tag}-c{concurrency}-{i}", TokensPrompt(prompt_token_ids=p), params)
+            in_flight += 1
+        for out in engine.step():
+            if out.finished:
+                in_flight -= 1
+                tokens += len(out.outputs[0].token_ids)
+    seconds = time.monotonic() - t0
+    row: dict[str, Any] = {"concurrency": concurrency, "requests": len(prompts), "output_tokens": tokens,
+                           "seconds": seconds, "output_tokens_per_second": tokens / seconds,
+                           "load_1min": os.getloadavg()[0]}
+    if before is not None:
+        row["mean_acceptance_length"] = _minus(acceptance_from_metrics(llm.get_metrics(), num_speculative_tokens),
+                                               before).mean_acceptance_length
+    return row
+
+
+def _session(args: dict[str, Any], prompts: list[list[int]], draft: str | None, *, reference: bool,
+             levels: list[int], tag: str) -> dict[str, Any]:
+    """One engine's life: start it; with ``reference`` greedy-generate every prompt in one batch (the tokens the
+    losslessness check compares, and with a draft its acceptance), else a short warm-up; then ``speed_repeats`` timed
+    decodes at each concurrency of ``levels``; free it. Only one engine is ever alive: two engines on the same CPU
+    cores slow each other down (vLLM's CPU workers keep their OpenMP threads spinning)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    k = int(args["num_speculative_tokens"])
+    llm, start_s = _engine(args, draft)
+    params = SamplingParams(temperature=0.0, max_tokens=int(args["max_new_tokens"]))
+    result: dict[str, Any] = {"draft": draft, "engine_start_seconds": start_s}
+    if reference:
+        before = acceptance_from_metrics(llm.get_metrics(), k)
         t0 = time.monotonic()
-        again = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        speed.append(sum(len(o.outputs[0].token_ids) for o in again) / (time.monotonic() - t0))
-    result = {
-        "draft": draft,
-        "engine_start_seconds": start_s,
-        "generate_seconds": gen_s,
-        "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
-        "texts": [o.outputs[0].text for o in outputs],
-        "finish_reasons": [o.outputs[0].finish_reason for o in outputs],
-        "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
-        "output_tokens_per_second": speed,
-    }
-    if draft is not None:
-        result["acceptance"] = stats.to_dict()
-        _log(f"{label}: mean acceptance length {stats.mean_acceptance_length:.3f}, per position "
-             f"{[round(r, 3) for r in stats.per_position_acceptance]}, {stats.num_drafts} drafts")
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        result["generate_seconds"] = time.monotonic() - t0
+        stats = _minus(acceptance_from_metrics(llm.get_metrics(), k), before)
+        result.update({
+            "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+            "texts": [o.outputs[0].text for o in outputs],
+            "finish_reasons": [o.outputs[0].finish_reason for o in outputs],
+            "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outputs)})
+        if draft is not None:
+            result["acceptance"] = stats.to_dict()
+            _log(f"draft {draft}: mean acceptance length {stats.mean_acceptance_length:.3f}, per position "
+                 f"{[round(r, 3) for r in stats.per_position_acceptance]}, {stats.num_drafts} drafts")
+    elif levels:  # the reference pass warms a fresh engine up; a speed-only session warms up on one short request
+        llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], SamplingParams(temperature=0.0, max_tokens=8),
+                     use_tqdm=False)
+    rounds = []
+    for c in levels:
+        for r in range(int(args.get("speed_repeats", 0))):
+            row = decode_at_concurrency(llm, speed_requests(prompts, c), params, c, f"{tag}-r{r}",
+                                        k if draft is not None else None)
+            _log(f"{'with draft' if draft else 'no draft'}, concurrency {c}: {row['output_tokens']} tokens in "
+                 f"{row['seconds']:.2f} s = {row['output_tokens_per_second']:.2f} tok/s (load {_load()})")
+            rounds.append({**row, "session": tag})
+    result["speed_rounds"] = rounds
     _free(llm)
     return result
 
@@ -220,20 +290,56 @@ def _free(llm) -> None:
         _log(f"cleanup after engine: {e}")
 
 
+def speed_summary(schedule: str, levels: list[int], draft_rounds: list[dict[str, Any]],
+                  baseline_rounds: list[dict[str, Any]], engine_starts: int) -> dict[str, Any]:
+    """Per concurrency level: output tok/s of every timed decode with the draft and without, and the speedup =
+    median with / median without. The first level is the headline (its figures are repeated at the top level)."""
+    out: dict[str, Any] = {"schedule": schedule, "engine_starts": engine_starts, "levels": []}
+    for c in levels:
+        at = [r for r in draft_rounds + baseline_rounds if r["concurrency"] == c]
+        a = [r["output_tokens_per_second"] for r in draft_rounds if r["concurrency"] == c]
+        b = [r["output_tokens_per_second"] for r in baseline_rounds if r["concurrency"] == c]
+        loads = [r["load_1min"] for r in at]
+        acc = [r["mean_acceptance_length"] for r in draft_rounds if r["concurrency"] == c
+               and r.get("mean_acceptance_length") is not None]
+        out["levels"].append({
+            "concurrency": c, "requests": at[0]["requests"] if at else None,
+            "draft_output_tokens_per_second": a, "baseline_output_tokens_per_second": b,
+            "speedup": statistics.median(a) / statistics.median(b) if a and b else None,
+            "load_1min": [min(loads), max(loads)] if loads else None,
+            "mean_acceptance_length": statistics.median(acc) if acc else None})
+    if out["levels"]:
+        head = out["levels"][0]
+        out.update({"concurrency": head["concurrency"], "speedup": head["speedup"],
+                    "draft_output_tokens_per_second": head["draft_output_tokens_per_second"],
+                    "baseline_output_tokens_per_second": head["baseline_output_tokens_per_second"]})
+    return out
+
+
 def run_check(args: dict[str, Any]) -> dict[str, Any]:
-    """Every draft in ``args["drafts"]`` with speculation, then the verifier alone; compare token ids."""
+    """The trained draft (A) and the verifier alone (B) in the sessions of ``speed_schedule`` (one engine alive at a
+    time; the first A and the first B also generate the reference outputs; speed not measured: just A then B), then
+    every other draft (acceptance only); compare token ids."""
     import vllm
 
     tokenizer = load_tokenizer(args["verifier"], bool(args.get("trust_remote_code", False)))  # decoding, stop ids
     prompts = [list(map(int, p)) for p in args["prompt_token_ids"]]  # rendered by the stage's chat encoder
-    _log(f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens from "
-         f"{args['prompts_path']}")
-    drafts = [_generate(args, prompts, d) for d in args["drafts"]]
-    baseline = _generate(args, prompts, None)
-    base_speed = baseline["output_tokens_per_second"]
+    _log(f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens")
+    speed = int(args.get("speed_repeats", 0)) > 0
+    levels = [int(c) for c in args.get("speed_concurrency") or [1]] if speed else []
+    schedule = str(args.get("speed_schedule") or "AB") if speed else "AB"
+    trained, others = args["drafts"][0], args["drafts"][1:]
+    first: dict[str, dict[str, Any]] = {}
+    rounds: dict[str, list[dict[str, Any]]] = {"A": [], "B": []}
+    for i, who in enumerate(schedule):
+        s = _session(args, prompts, trained if who == "A" else None, reference=who not in first, levels=levels,
+                     tag=f"{who}{i}")
+        first.setdefault(who, s)
+        rounds[who] += s["speed_rounds"]
+    drafts = [first["A"]] + [_session(args, prompts, d, reference=True, levels=[], tag=f"U{i}")
+                             for i, d in enumerate(others)]
+    baseline = first["B"]
     for d in drafts:
-        if d["output_tokens_per_second"] and base_speed:  # the decoding speedup: medians of the repeats
-            d["speedup"] = statistics.median(d["output_tokens_per_second"]) / statistics.median(base_speed)
         mismatches = []
         for i, (a, b) in enumerate(zip(d["token_ids"], baseline["token_ids"])):
             j = first_difference(a, b)
@@ -242,20 +348,23 @@ def run_check(args: dict[str, Any]) -> dict[str, Any]:
                                    "speculative": tokenizer.decode(a[j:j + 8]), "baseline": tokenizer.decode(b[j:j + 8])})
         d["lossless"] = not mismatches and d["texts"] == baseline["texts"]
         d["mismatches"] = mismatches
+    engine_starts = len(schedule) + len(others)
     return {
-        "format": "eagle3-vllm-check/1",
+        "format": "eagle3-vllm-check/2",
         "vllm_version": vllm.__version__,
         "settings": {k: v for k, v in args.items() if k != "out"},
         "prompt_token_ids": prompts,
         "stop_token_ids": stop_token_ids(args["verifier"], tokenizer),
         "drafts": drafts,
         "baseline": baseline,
+        "engine_starts": engine_starts,
+        "speed": speed_summary(schedule, levels, rounds["A"], rounds["B"], engine_starts) if speed else None,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="EAGLE-3 draft check in vLLM (run by eagle3.validate.stage).")
-    ap.add_argument("--args-json", required=True, help="JSON file with verifier, drafts, prompts_path, settings, out")
+    ap.add_argument("--args-json", required=True, help="JSON file with verifier, drafts, prompt_token_ids, settings, out")
     ns = ap.parse_args(argv)
     args = json.loads(Path(ns.args_json).read_text())
     result = run_check(args)
