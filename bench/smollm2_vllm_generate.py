@@ -36,7 +36,6 @@ def main() -> None:
 
     from eagle3.chat.encoder import ChatSettings
     from eagle3.support.gguf_convert import SMOLLM2_DIR
-    from eagle3.validate.stage import prompt_ids
     from eagle3.validate.vllm_check import load_tokenizer
 
     ap = argparse.ArgumentParser()
@@ -47,7 +46,7 @@ def main() -> None:
     cases = [tuple(map(int, c.split("x"))) for c in ns.cases]
     n_max = max(n for n, _ in cases)
     tok = load_tokenizer(SMOLLM2_DIR)
-    prompts = prompt_ids(ChatSettings(tokenizer_path=str(SMOLLM2_DIR)), TRAIN, n_max)
+    prompts = ChatSettings(tokenizer_path=str(SMOLLM2_DIR)).held_out_prompt_ids(TRAIN, n_max)
     with TRAIN.open() as f:
         original = [len(tok(next(m["content"] for m in json.loads(line)["messages"] if m["role"] == "assistant"))
                         ["input_ids"]) for line, _ in zip(f, range(n_max))]

@@ -64,11 +64,10 @@ def vllm_side(ns: argparse.Namespace) -> None:
 
     from eagle3.chat.encoder import ChatSettings
     from eagle3.support.gguf_convert import SMOLLM2_DIR
-    from eagle3.validate.stage import prompt_ids
     from eagle3.validate.vllm_check import acceptance_from_metrics
 
     prompts = [TokensPrompt(prompt_token_ids=p)
-               for p in prompt_ids(ChatSettings(tokenizer_path=str(SMOLLM2_DIR)), PROMPTS, ns.prompts)]
+               for p in ChatSettings(tokenizer_path=str(SMOLLM2_DIR)).held_out_prompt_ids(PROMPTS, ns.prompts)]
     common = {"model": str(SMOLLM2_DIR), "dtype": "float32", "enforce_eager": True, "max_model_len": 2048,
               "seed": 0, "distributed_executor_backend": "uni", "disable_log_stats": False}
     spec = {"method": "eagle3", "model": ns.draft, "num_speculative_tokens": ns.k}

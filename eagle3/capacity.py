@@ -40,10 +40,12 @@ from eagle3.regenerate.config import RegenerateConfig
 from eagle3.store import SAMPLE_METADATA, TOKEN_TENSORS, is_scaled, sample_tensors
 from eagle3.support.artifacts import Artifact, file_problem
 from eagle3.support.display import sig, size
-from eagle3.support.dtypes import device_type, dtype, from_safetensors
+from eagle3.support.dtypes import describe_compute_dtype, device_type, dtype, from_safetensors
 from eagle3.support.io import atomic_write_json, sha256_file, sha256_json
 from eagle3.support.progress import fmt_duration
 from eagle3.support.verifier import VerifierIdentity, VerifierSpec
+from eagle3.validate.baseline import reuse_problem
+from eagle3.validate.config import ValidateConfig
 
 log = logging.getLogger("eagle3")
 
@@ -343,6 +345,51 @@ def plan_store(
     return plan
 
 
+class VerifierLoad(BaseModel):
+    """One load of the verifier in a run (an engine start, or the model loaded in-process)."""
+
+    stage: str
+    engine: Literal["vLLM", "transformers"]
+    what: str
+
+
+_SESSION_NAMES = {"A": "verifier + trained draft", "B": "verifier alone (baseline)", "U": "verifier + untrained draft"}
+
+
+def verifier_loads(extract: ExtractConfig, regenerate: RegenerateConfig | None, regen_dtype: str | None,
+                   validate: ValidateConfig | None) -> tuple[list[VerifierLoad], str | None]:
+    """Every verifier load a run makes, stage by stage, and why validation's baseline cannot come from the
+    regeneration's engine session (None: it does, eagle3.validate.baseline). vLLM restarts after an OOM and a
+    cached stage's loads are not counted (they may not happen)."""
+    regen_on = regenerate is not None and regenerate.enabled
+    loads = [VerifierLoad(stage="regenerate", engine="vLLM", what="generation")] if regen_on else []
+    loads.append(VerifierLoad(stage="extract-hidden-states", engine="vLLM" if extract.backend == "vllm" else
+                              "transformers", what="hidden states"))
+    problem = None
+    if validate is not None:
+        problem = reuse_problem(validate, regen_on, regen_dtype or "", regenerate.engine if regen_on else
+                                validate.engine)
+        loads += [VerifierLoad(stage="validate-draft", engine="vLLM", what=_SESSION_NAMES[letter])
+                  for letter in validate.engine_sessions(baseline_shared=problem is None)]
+        if validate.offline_reference:
+            loads.append(VerifierLoad(stage="validate-draft", engine="transformers", what="offline reference"))
+    return loads, problem
+
+
+def loads_summary(loads: list[VerifierLoad], load_s: float, problem: str | None, validate: bool) -> str:
+    """'verifier loads per run: 3 = regenerate 1 + ... (0:22:00 each, 1:06:00 in all); ...' for the plan."""
+    per_stage: dict[str, list[str]] = {}
+    for ld in loads:
+        per_stage.setdefault(ld.stage, []).append(f"{ld.engine} {ld.what}")
+    parts = " + ".join(f"{stage} {len(w)} ({', '.join(w)})" for stage, w in per_stage.items())
+    line = (f"verifier loads per run: {len(loads)} = {parts}; {fmt_duration(load_s)} each, "
+            f"{fmt_duration(load_s * len(loads))} (h:mm:ss) of loading in all")
+    if validate:
+        line += ("; validation's verifier-alone baseline comes from the regeneration's engine session" if problem
+                 is None else f"; validation starts its own verifier-alone engine ({problem})")
+    return line
+
+
 class CapacityPlan(Artifact):
     """The capacity stage's output: the store's resolved layout (what extraction will write) and its plan."""
 
@@ -364,6 +411,10 @@ class CapacityPlan(Artifact):
                                                "upper bound of generated tokens at generation_tokens_per_second.")
     regeneration_tokens_upper: int | None = Field(description="Tokens regeneration generates at most (every turn "
                                                   "at max_new_tokens, each conversation cut at max_seq_len).")
+    verifier_loads: list[VerifierLoad] = Field(default_factory=list, description="Every verifier load the run "
+                                                "makes (engine starts and in-process loads), stage by stage.")
+    verifier_load_seconds: float | None = Field(None, description="The time of those loads: their count x the "
+                                                "model load estimate, seconds.")
     summary: str = Field(description="The plan in plain lines (the UI artifact and the log show it).")
     plan_sha256: str | None = Field(None, description="sha256 of plan.json as written (the reuse check; the "
                                     "fingerprint is the layout alone).")
@@ -378,7 +429,8 @@ class CapacityPlan(Artifact):
 
 def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: VerifierIdentity, prepared: PreparedData,
                   dest: str | os.PathLike, out_dir: str | Path,
-                  regenerate: RegenerateConfig | None = None, draft: DraftArchitecture | None = None) -> CapacityPlan:
+                  regenerate: RegenerateConfig | None = None, draft: DraftArchitecture | None = None,
+                  validate: ValidateConfig | None = None) -> CapacityPlan:
     """The capacity stage: resolve the store's layout with the rules extraction uses (aux layers, compute and store
     dtypes), plan it at ``dest`` and write ``<out_dir>/plan.json``. Raises CapacityError when it would not fit, and
     when vLLM on this host could not serve the ``draft`` kind beside this verifier (before anything is regenerated,
@@ -386,7 +438,8 @@ def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: Verifie
 
     With ``regenerate`` enabled the answers are not known yet: the store is planned for the upper bound (every
     assistant turn at max_new_tokens, each conversation cut at max_seq_len), and the time adds the regeneration
-    estimate (a verifier load + the generated tokens at generation_tokens_per_second)."""
+    estimate (a verifier load + the generated tokens at generation_tokens_per_second). The plan counts every
+    verifier load of the run (``verifier_loads``, with ``validate``'s engine sessions) and their time."""
     spec = verifier.spec()
     if draft is not None and (problem := serving_pair_problem(spec.mla, draft.kind, device_type("auto"))):
         raise CapacityError(problem)
@@ -411,9 +464,17 @@ def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: Verifie
                     f"\n  total estimate: {fmt_duration(total_s)} (h:mm:ss)")
         for line in summary.splitlines()[-2:]:
             log.info("[capacity] %s", line)
+    regen_dtype = describe_compute_dtype(regenerate.dtype, spec.dtype, "auto") if regenerate is not None else None
+    loads, problem = verifier_loads(extract, regenerate, regen_dtype, validate)
+    load_line = loads_summary(loads, plan.model_load_seconds, problem, validate is not None)
+    summary += f"\n  {load_line}"
+    log.info("[capacity] %s", load_line)
     path = atomic_write_json(Path(out_dir) / PLAN_FILE, {**plan.model_dump(mode="json"),
                                                          "regeneration_seconds": regen_s,
-                                                         "regeneration_tokens_upper": regen_tokens})
+                                                         "regeneration_tokens_upper": regen_tokens,
+                                                         "verifier_loads": [ld.model_dump() for ld in loads],
+                                                         "verifier_load_seconds": plan.model_load_seconds * len(loads),
+                                                         "baseline_not_shared_because": problem})
     artifact = CapacityPlan(
         # identity = the layout extraction writes (never free space, paths or estimates: extraction keys on it,
         # and shards planned at different moments must fill one store)
@@ -423,6 +484,6 @@ def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: Verifie
         compute_dtype=compute, store_dtype=store, bytes_per_token=plan.bytes_per_token, total_bytes=plan.total_bytes,
         required_free_bytes=plan.required_free_bytes, free_bytes=plan.free_bytes, fits=plan.fits,
         estimated_seconds=total_s, regeneration_seconds=regen_s, regeneration_tokens_upper=regen_tokens,
-        summary=summary, plan_sha256=sha256_file(path))
+        verifier_loads=loads, verifier_load_seconds=plan.model_load_seconds * len(loads), summary=summary, plan_sha256=sha256_file(path))
     artifact.save()
     return artifact

@@ -7,8 +7,9 @@ verifier, runs on a laptop), ``smollm2`` (a real instruct LLM on 2 CPU cores) an
 production run's choices). One-setting overrides (``{"train.epochs": 1}``, the CLI's ``--set train.epochs=1``) go
 through ``apply_overrides``, validated like the rest.
 
-Shared values are set once at the top (``verifier_path``, ``max_seq_len``) and copied into the stage sections that
-need them, so the two cannot disagree.
+Shared values are set once at the top (``verifier_path``, ``engine``: the vLLM engine settings, ``max_seq_len``) and
+copied into the stage sections that need them, so the two cannot disagree; a stage's ``engine`` section holds only
+its exceptions (validation's job timeout by default).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from eagle3.capacity import CapacityConfig
 from eagle3.chat.encoder import ChatSettings
+from eagle3.engine.settings import VALIDATE_TIMEOUT_S, EngineOverrides, EngineSettings
 from eagle3.extract.config import ExtractConfig
 from eagle3.prepare import PrepareConfig
 from eagle3.regenerate.config import RegenerateConfig
@@ -45,22 +47,33 @@ class DataSection(PrepareConfig):
         description=PrepareConfig.model_fields["sources"].description + " Relative paths: to the checkout.")
     tokenizer_path: str | None = Field(  # type: ignore[assignment]
         None, description="Tokenizer + chat template folder; None = the pipeline's verifier_path.")
+    trust_remote_code: bool | None = Field(  # type: ignore[assignment]
+        None, description="Allow the tokenizer's own Python code; None = the pipeline's engine.trust_remote_code "
+        "(the verifier's tokenizer is the verifier's code).")
     # filled by the pipeline: hidden from the form and left out of dumps (a deployment's parameters never hold it)
     max_seq_len: SkipJsonSchema[int | None] = Field(  # type: ignore[assignment]
         None, exclude=True, description="Set from the pipeline's max_seq_len (tokens).")
 
 
+_OVERRIDES = "This stage's exceptions to the pipeline's engine settings (fields left null are inherited)."
+
+
 class ExtractSection(ExtractConfig):
     verifier: SkipJsonSchema[str | None] = Field(  # type: ignore[assignment]
         None, exclude=True, description="Set from the pipeline's verifier_path.")
+    engine: EngineOverrides = Field(default_factory=EngineOverrides, description=_OVERRIDES)  # type: ignore
 
 
 class RegenerateSection(RegenerateConfig):
-    # filled from the extraction settings and max_seq_len (the same interpreter and GPUs as extraction)
+    # filled from max_seq_len
     max_model_len: SkipJsonSchema[int | None] = Field(None, exclude=True)  # type: ignore[assignment]
-    tensor_parallel_size: SkipJsonSchema[int | None] = Field(None, exclude=True)  # type: ignore[assignment]
-    vllm_python: SkipJsonSchema[str | None] = Field(None, exclude=True)  # type: ignore[assignment]
-    trust_remote_code: SkipJsonSchema[bool | None] = Field(None, exclude=True)  # type: ignore[assignment]
+    engine: EngineOverrides = Field(default_factory=EngineOverrides, description=_OVERRIDES)  # type: ignore
+
+
+class ValidateSection(ValidateConfig):
+    engine: EngineOverrides = Field(  # type: ignore[assignment]
+        default_factory=lambda: EngineOverrides(timeout_s=VALIDATE_TIMEOUT_S),
+        description=f"{_OVERRIDES} Validation's engine jobs time out after {VALIDATE_TIMEOUT_S:.0f} s by default.")
 
 
 class TrainSection(TrainConfig):
@@ -97,6 +110,9 @@ class PipelineConfig(BaseModel):
     verifier_path: str = Field(
         "models/tiny-chat-verifier", description="Verifier checkpoint folder (Hugging Face layout; relative: to the "
         "checkout). Kimi-K2.5's nested text_config and language_model. prefix are understood.")
+    engine: EngineSettings = Field(default_factory=EngineSettings, description="How the verifier runs in vLLM, for "
+                                   "every stage that starts an engine (regeneration, vLLM extraction, validation); "
+                                   "a stage's own engine section holds only its exceptions.")
     max_seq_len: int = Field(
         2048, ge=16, description="Longest sample in tokens: longer ones are skipped by data prep (counted), and the "
         "trainer packs samples into sequences of this length.")
@@ -109,7 +125,7 @@ class PipelineConfig(BaseModel):
     extract: ExtractSection = Field(default_factory=ExtractSection, description="Stage 2: verifier hidden states.")
     vocab: VocabConfig = Field(default_factory=VocabConfig, description="Stage 3: draft vocabulary (d2t / t2d).")
     train: TrainSection = Field(default_factory=TrainSection, description="Stage 4: the draft, training-time test.")
-    validate_: ValidateConfig = Field(default_factory=ValidateConfig, alias="validate",
+    validate_: ValidateSection = Field(default_factory=ValidateSection, alias="validate",
                                       description="Stage 5: checkpoint contract + vLLM speculative decoding.")
     host: HostConfig = Field(default_factory=HostConfig, description="GPU host guards (concurrency slots, lock).")
 
@@ -135,7 +151,8 @@ class PipelineConfig(BaseModel):
     def prepare_config(self) -> PrepareConfig:
         d = self.data.model_dump()
         d.update(sources=self.sources, tokenizer_path=resolve_path(self.data.tokenizer_path or self.verifier_path),
-                 max_seq_len=self.max_seq_len)
+                 max_seq_len=self.max_seq_len, trust_remote_code=self.engine.trust_remote_code
+                 if self.data.trust_remote_code is None else self.data.trust_remote_code)
         return PrepareConfig.model_validate(d)
 
     def chat_settings(self) -> ChatSettings:
@@ -143,14 +160,18 @@ class PipelineConfig(BaseModel):
         validation."""
         return self.prepare_config().chat_settings()
 
+    def engine_for(self, section: RegenerateSection | ExtractSection | ValidateSection) -> EngineSettings:
+        """The engine settings a stage runs with: the pipeline's, with the section's own exceptions."""
+        return self.engine.merged(section.engine)
+
     def regenerate_config(self) -> RegenerateConfig:
-        x = self.extract
         return RegenerateConfig.model_validate({
-            **self.regenerate.model_dump(), "max_model_len": self.max_seq_len, "vllm_python": x.vllm_python,
-            "tensor_parallel_size": x.tensor_parallel_size, "trust_remote_code": x.trust_remote_code})
+            **self.regenerate.model_dump(exclude={"engine"}), "max_model_len": self.max_seq_len,
+            "engine": self.engine_for(self.regenerate)})
 
     def extract_config(self) -> ExtractConfig:
-        return ExtractConfig.model_validate({**self.extract.model_dump(), "verifier": self.verifier})
+        return ExtractConfig.model_validate({**self.extract.model_dump(exclude={"engine"}), "verifier": self.verifier,
+                                             "engine": self.engine_for(self.extract)})
 
     def train_config(self) -> TrainConfig:
         return TrainConfig.model_validate({**self.train.model_dump(),
@@ -158,7 +179,8 @@ class PipelineConfig(BaseModel):
 
     @property
     def validate_config(self) -> ValidateConfig:
-        return self.validate_
+        return ValidateConfig.model_validate({**self.validate_.model_dump(exclude={"engine"}),
+                                              "engine": self.engine_for(self.validate_)})
 
     @property
     def run_dir(self) -> str:

@@ -16,7 +16,6 @@ overrides='{"train.epochs": 1}'`).
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import Any
 
@@ -45,8 +44,8 @@ from eagle3.config import (
     preset_names,
     validate_config,
 )
-from eagle3.draft.checkpoint import WEIGHTS
-from eagle3.support.io import sha256_file, sha256_json
+from eagle3.draft.checkpoint import check_weights
+from eagle3.support.io import sha256_json
 from eagle3.support.paths import resolve_path
 from eagle3.support.subproc import start_reaper
 from tasks import artifacts
@@ -121,17 +120,19 @@ def _front(config: PipelineConfig, s: dict, regenerated_only_if_cached: bool = F
     prepared = run_stage(s["prepare-data"], cfg=prepare, sources=sources, tokenizer=tokenizer, run_dir=config.run_dir)
     regen_cfg = config.regenerate_config()
     plan = run_stage(s["plan-capacity"], cfg=config.capacity, extract=config.extract_config(), verifier=verifier,
-                     prepared=prepared, regenerate=regen_cfg, draft=config.train.draft, run_dir=config.run_dir)
+                     prepared=prepared, regenerate=regen_cfg, draft=config.train.draft,
+                     validate=config.validate_config, run_dir=config.run_dir)
+    regenerated = None
     if regen_cfg.enabled:
         regenerated = run_stage(s["regenerate"], cfg=regen_cfg, prepare=prepare, verifier=verifier,
                                 prepared=prepared, run_dir=config.run_dir, host=config.host,
-                                reuse_only=regenerated_only_if_cached)
+                                reuse_only=regenerated_only_if_cached, baseline_for=config.validate_config)
         prepare_regen = prepare.model_copy(update={"sources": [regenerated.conversations_path], "format": "openai",
                                                    "shuffle_seed": None, "max_samples": None})
         prepared = run_stage(s["prepare-regenerated"], cfg=prepare_regen,
                              sources=describe_regenerated_task([regenerated.conversations_path]), tokenizer=tokenizer,
                              run_dir=config.run_dir)
-    return verifier, prepared, plan, chat, tokenizer
+    return verifier, prepared, plan, chat, tokenizer, regenerated
 
 
 @flow(name="eagle3-pipeline", flow_run_name=run_name)
@@ -139,7 +140,7 @@ def eagle3_pipeline(config: PipelineConfig = DEFAULT_CONFIG, overrides: dict[str
     """Chat data + verifier -> trained EAGLE-3 draft, validated in vLLM. Every stage is cached by content."""
     config = _config(config, overrides)
     s = _stages(config)
-    verifier, prepared, plan, chat, tokenizer = _front(config, s)
+    verifier, prepared, plan, chat, tokenizer, regenerated = _front(config, s)
     store = run_stage(s["extract-hidden-states"], cfg=config.extract_config(), verifier=verifier, prepared=prepared,
                       plan=plan, run_dir=config.run_dir, host=config.host)
     vocab = run_stage(s["build-vocab"], cfg=config.vocab, verifier=verifier, prepared=prepared,
@@ -148,17 +149,13 @@ def eagle3_pipeline(config: PipelineConfig = DEFAULT_CONFIG, overrides: dict[str
                            run_dir=config.run_dir, host=config.host)
     prompts = describe_prompts_task([resolve_path(config.validate_config.prompts_path)])
     report = run_stage(s["validate-draft"], cfg=config.validate_config, checkpoint=checkpoint, prompts=prompts,
-                       chat=chat, tokenizer=tokenizer, run_dir=config.run_dir, host=config.host)
+                       chat=chat, tokenizer=tokenizer, regenerated=regenerated, run_dir=config.run_dir,
+                       host=config.host)
     summary = {"run_dir": config.run_dir, "checkpoint": checkpoint.checkpoint_dir, "report": report.report_md,
                "verdict": report.verdict, "mean_acceptance_length": report.mean_acceptance_length,
                "untrained_mean_acceptance_length": report.untrained_mean_acceptance_length,
                "decode_speedup": report.decode_speedup, "weights_sha256": checkpoint.weights_sha256}
-    weights = os.path.join(checkpoint.checkpoint_dir or "", WEIGHTS)
-    modified = None
-    if checkpoint.weights_sha256 and (not os.path.isfile(weights) or sha256_file(weights) != checkpoint.weights_sha256):
-        modified = (f"the draft checkpoint {weights} does not match the sha256 recorded when it was trained "
-                    f"({checkpoint.weights_sha256[:12]}...): it was changed or damaged since; do not serve it "
-                    f"(restore the file, or delete the train-draft stage folder and rerun to train it again)")
+    modified = check_weights(checkpoint.checkpoint_dir or "", checkpoint.weights_sha256).problem
     artifacts.run_summary(summary, checkpoint, report, problem=modified)  # after the check: never a stale "ready"
     if modified:
         raise CheckpointModified(modified)
@@ -175,7 +172,7 @@ def eagle3_extract(config: PipelineConfig = DEFAULT_CONFIG, shard_start: int = 0
     the end). Several GPU hosts each take a shard through their own work queue; all shards fill one store."""
     config = _config(config, overrides)
     s = _stages(config)
-    verifier, prepared, plan, _, _ = _front(config, s, regenerated_only_if_cached=True)
+    verifier, prepared, plan, *_ = _front(config, s, regenerated_only_if_cached=True)
     extract = config.extract_config().model_copy(update={"shard_start": shard_start, "shard_end": shard_end})
     store = run_stage(s["extract-hidden-states"], cfg=extract, verifier=verifier, prepared=prepared, plan=plan,
                       run_dir=config.run_dir, host=config.host)
@@ -187,7 +184,7 @@ def eagle3_prepare(config: PipelineConfig = DEFAULT_CONFIG, overrides: dict[str,
     """Prepare + plan (+ regenerate + prepare the regenerated conversations) once, before the extraction shards of
     several hosts start: they find these stages cached (regeneration writes one dataset, not one per host)."""
     config = _config(config, overrides)
-    _, prepared, plan, _, _ = _front(config, _stages(config))
+    _, prepared, plan, *_ = _front(config, _stages(config))
     return {"prepared": prepared.model_dump(mode="json"), "plan": plan.model_dump(mode="json")}
 
 

@@ -10,6 +10,7 @@ from eagle3.regenerate.config import RegenerateConfig
 from eagle3.support.display import size
 from eagle3.support.progress import fmt_duration
 from eagle3.support.verifier import VerifierIdentity
+from eagle3.validate.config import ValidateConfig
 from tasks import artifacts
 from tasks.common import stage_dir, stage_task
 
@@ -17,14 +18,14 @@ from tasks.common import stage_dir, stage_task
 @stage_task("plan-capacity")
 def plan_capacity_task(cfg: CapacityConfig, extract: ExtractConfig, verifier: VerifierIdentity,
                        prepared: PreparedData, run_dir: str, regenerate: RegenerateConfig | None = None,
-                       draft: DraftArchitecture | None = None) -> CapacityPlan:
+                       draft: DraftArchitecture | None = None, validate: ValidateConfig | None = None) -> CapacityPlan:
     """-> CapacityPlan (the store's resolved layout, bytes, free space, time) + plan.json.
 
     Raises CapacityError when the store would not fit at ``run_dir`` with the margin (cfg.on_insufficient="fail"),
     or when vLLM here cannot serve the ``draft`` kind beside the verifier.
     """
     out_dir = stage_dir(run_dir, "plan-capacity")
-    plan = plan_capacity(cfg, extract, verifier, prepared, run_dir, out_dir, regenerate, draft)
+    plan = plan_capacity(cfg, extract, verifier, prepared, run_dir, out_dir, regenerate, draft, validate)
     artifacts.markdown("capacity-plan", plan_markdown(plan),
                        description="Hidden-state store size, free space and time estimate")
     return plan

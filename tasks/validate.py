@@ -14,6 +14,7 @@ from prefect import task
 from eagle3.chat.encoder import ChatSettings
 from eagle3.chat.sources import DataSources
 from eagle3.config import HostConfig
+from eagle3.regenerate.stage import RegeneratedData
 from eagle3.support.display import NOT_MEASURED, measured, sig
 from eagle3.train.stage import DraftCheckpoint
 from eagle3.validate.config import ValidateConfig
@@ -84,12 +85,14 @@ def validate_checkpoint_task(cfg: ValidateConfig, draft_dir: str, verifier_path:
 @stage_task("validate-draft")
 def validate_draft_task(cfg: ValidateConfig, checkpoint: DraftCheckpoint, prompts: DataSources, run_dir: str,
                         chat: ChatSettings | None = None, tokenizer: DataSources | None = None,
-                        host: HostConfig | None = None) -> ValidationReport:
+                        regenerated: RegeneratedData | None = None, host: HostConfig | None = None) -> ValidationReport:
     """The pipeline stage: the train stage's checkpoint against its verifier on the prompts of ``prompts`` (their
     content keys the cache, so edited prompts are re-validated), rendered with the chat settings prepare used
-    (``chat``; ``tokenizer`` is their content identity, for the cache key)."""
+    (``chat``; ``tokenizer`` is their content identity, for the cache key); ``regenerated``: the regeneration
+    whose engine session may have generated the verifier-alone baseline (eagle3.validate.baseline)."""
     out_dir = stage_dir(run_dir, "validate-draft")
     report = validate_draft(ValidateConfig.model_validate(cfg), checkpoint, out_dir,
-                            prompts_path=prompts.sources[0], chat=chat, guard=gpu_guard(host))
+                            prompts_path=prompts.sources[0], chat=chat, guard=gpu_guard(host),
+                            baselines_dir=regenerated.baselines_dir if regenerated is not None else None)
     publish(report)
     return report

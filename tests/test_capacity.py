@@ -134,3 +134,36 @@ def test_fsspec_destination_without_free_space_is_unknown_not_refused(kimi_confi
 def test_out_of_range_aux_layer_is_a_clear_error(kimi_config, tmp_path):
     with pytest.raises(VerifierError, match=r"aux_layer_ids \[61\] out of range .* 61 layers"):
         plan_store(kimi_config, [2, 30, 61], "bfloat16", [512], tmp_path, CapacityConfig(), 512)
+
+
+def test_verifier_loads_per_run_and_the_shared_baseline():
+    """The plan counts every verifier load of a run. kimi-k2.5: regeneration, extraction, and validation's draft
+    engine alone (its verifier-alone baseline comes from regeneration's engine session: the same bfloat16, tensor
+    parallel 8): 3 loads, not 4. Any difference between the two engines, or a drift-cancelling speed schedule,
+    and validation starts its own baseline engine."""
+    from eagle3.capacity import loads_summary, verifier_loads
+    from eagle3.config import load_config
+
+    kimi = load_config("kimi-k2.5")
+    loads, problem = verifier_loads(kimi.extract_config(), kimi.regenerate_config(), "bfloat16", kimi.validate_config)
+    assert problem is None and [ld.stage for ld in loads] == ["regenerate", "extract-hidden-states", "validate-draft"]
+    assert "1:06:00 (h:mm:ss) of loading" in loads_summary(loads, 1320.0, problem, True)
+
+    cases = {  # overrides -> (loads, why validation starts its own verifier-alone engine)
+        "validate.dtype": ("float32", 4, "validation serves in float32, regeneration generates in bfloat16"),
+        "validate.speed_schedule": ("ABA", 5, "speed_schedule 'ABA'"),
+        "regenerate.enabled": (False, 3, "regeneration is off"),
+        "validate.engine.enforce_eager": (False, 4, "engine.enforce_eager differs"),
+        "validate.compare_untrained": (True, 4, None),
+    }
+    for key, (value, n, why) in cases.items():
+        c = load_config("kimi-k2.5", {key: value})
+        loads, problem = verifier_loads(c.extract_config(), c.regenerate_config(), "bfloat16", c.validate_config)
+        assert len(loads) == n, (key, loads)
+        assert (problem is None) if why is None else (why in problem), (key, problem)
+
+    tiny = load_config("tiny")  # transformers extraction, no regeneration, offline reference: in-process loads too
+    loads, problem = verifier_loads(tiny.extract_config(), tiny.regenerate_config(), None, tiny.validate_config)
+    assert [(ld.engine, ld.what) for ld in loads] == [
+        ("transformers", "hidden states"), ("vLLM", "verifier + trained draft"), ("vLLM", "verifier alone (baseline)"),
+        ("vLLM", "verifier + untrained draft"), ("transformers", "offline reference")]

@@ -466,8 +466,7 @@ def test_template_override_renders_identical_prompts_in_prepare_regenerate_and_v
     from eagle3.chat.encoder import ChatSettings
     from eagle3.chat.sources import read_prompt_messages
     from eagle3.config import load_config
-    from eagle3.validate.stage import prompt_ids
-
+    
     override = ("{%- for m in messages %}{{- '### ' + m.role + ':\\n' + m.content + '\\n' }}{%- endfor %}"
                 "{%- if add_generation_prompt %}{{- '### assistant:\\n' }}{%- endif %}")
     rows = [{"messages": m} for m in CONVERSATIONS]
@@ -477,7 +476,7 @@ def test_template_override_renders_identical_prompts_in_prepare_regenerate_and_v
     prepared = load(prepare_data(config.prepare_config(), tmp_path / "data"))
     job_chat = json.loads(json.dumps({"chat": config.prepare_config().chat_settings().model_dump()}))["chat"]
     regen_encoder = ChatSettings.model_validate(job_chat).encoder()  # as eagle3.regenerate.vllm_worker builds it
-    validate_ids = prompt_ids(config.chat_settings(), src, len(rows))
+    validate_ids = config.chat_settings().held_out_prompt_ids(src, len(rows))
     own = ChatSettings(tokenizer_path=str(BUNDLED_TOKENIZER)).encoder()
 
     firsts = read_prompt_messages(src, len(rows))  # the conversation up to its first user turn

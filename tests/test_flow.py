@@ -104,7 +104,12 @@ def test_presets_and_prefect_yaml_deployments_load():
     assert kimi.data.max_samples == 1000 and "open-perfectblend" in kimi.data.sources[0]
     assert kimi.train.epochs == 10 and kimi.train.lr == 3e-5 and kimi.train.schedule == "cosine"
     assert kimi.train.val_ratio == 0.05
-    assert kimi.extract.tensor_parallel_size == 8 and kimi.extract.backend == "vllm"
+    assert kimi.extract.backend == "vllm"
+    # one engine section: every stage that starts vLLM inherits tensor parallel 8 and remote code from it
+    for engine in (kimi.extract_config().engine, kimi.regenerate_config().engine, kimi.validate_config.engine):
+        assert engine.tensor_parallel_size == 8 and engine.trust_remote_code
+    assert kimi.prepare_config().trust_remote_code  # the tokenizer's too
+    assert kimi.validate_config.engine.timeout_s == 1800 and kimi.extract_config().engine.timeout_s == 0
 
     import importlib
 

@@ -599,12 +599,12 @@ def test_bad_settings_raise_before_any_vllm_start(good, tiny_llama_verifier, tmp
     from eagle3.validate.stage import validate_draft
 
     with pytest.raises(FileNotFoundError, match="vLLM interpreter not found"):
-        validate_draft(ValidateConfig(vllm_python=str(tmp_path / "no-python")), good, tmp_path / "a",
+        validate_draft(ValidateConfig(engine={"vllm_python": str(tmp_path / "no-python")}), good, tmp_path / "a",
                        verifier=tiny_llama_verifier)
     short = tmp_path / "one.jsonl"
     short.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     with pytest.raises(PromptError, match="holds 1 conversations, 8 prompts"):
-        validate_draft(ValidateConfig(vllm_python=sys.executable), good, tmp_path / "b", verifier=tiny_llama_verifier,
+        validate_draft(ValidateConfig(engine={"vllm_python": sys.executable}), good, tmp_path / "b", verifier=tiny_llama_verifier,
                        prompts_path=short)
 
 

@@ -9,6 +9,7 @@ environment).
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,15 @@ class ChatSettings(BaseModel):
         """These settings alone (a subclass such as PrepareConfig carries more fields): what the regeneration
         driver and validation receive, so all three render with the same values."""
         return ChatSettings.model_validate(self.model_dump(include=set(ChatSettings.model_fields)))
+
+    def held_out_prompt_ids(self, prompts_path: str | os.PathLike, num_prompts: int) -> list[list[int]]:
+        """The held-out prompts (the first user turn, after its system message, of each of the first
+        ``num_prompts`` conversations of ``prompts_path``) rendered with the generation prompt: the token ids
+        validation sends to vLLM and the offline reference, and regeneration's baseline request, so all measure the
+        prompt format training saw."""
+        from eagle3.chat.sources import read_prompt_messages
+
+        return self.encoder().prompt_ids(read_prompt_messages(prompts_path, num_prompts))
 
     def encoder(self) -> ChatEncoder:
         """The encoder of these settings (loads the tokenizer)."""

@@ -31,6 +31,7 @@ import torch
 from pydantic import Field
 
 from eagle3.chat.dataset import PreparedDataset
+from eagle3.engine.oom import HalvingBudget
 from eagle3.extract import hf_backend, selfcheck
 from eagle3.extract.batching import Batch, TokenBudgetBatcher, pad_right
 from eagle3.extract.config import ExtractConfig
@@ -154,7 +155,7 @@ def open_dataset(dataset_dir: str | Path, vocab_size: int | None = None):
 def _gpu_ids(cfg: ExtractConfig) -> list[int]:
     """CUDA device indices this job will use (empty on CPU): the guard and the preflight cover exactly these."""
     if cfg.backend == "vllm":
-        return cuda_device_ids(count=cfg.tensor_parallel_size)  # vLLM takes the first tensor_parallel_size GPUs
+        return cuda_device_ids(count=cfg.engine.tensor_parallel_size)  # vLLM takes the first tensor_parallel_size GPUs
     return cuda_device_ids(hf_backend.resolve_device(cfg.device), cfg.device_map)
 
 
@@ -273,11 +274,12 @@ def _run_transformers(
     device = hf_backend.resolve_device(cfg.device)
     dtype = torch_dtype(compute_dtype)
     t0 = time.monotonic()
-    model = hf_backend.load_hf_model(spec, dtype, device, cfg.device_map, cfg.trust_remote_code)
+    model = hf_backend.load_hf_model(spec, dtype, device, cfg.device_map, cfg.engine.trust_remote_code)
     stats["model_loads"] += 1
     stats["model_load_seconds"] = time.monotonic() - t0
     backend = hf_backend.TransformersBackend(model, aux_ids)
     batcher = TokenBudgetBatcher(todo, cfg.max_tokens_per_batch, cfg.max_samples_per_batch)
+    budget = HalvingBudget(cfg.max_tokens_per_batch, cfg.min_tokens_per_batch, "padded tokens per batch")
     writer = AsyncStoreWriter(store_dir, meta, cfg.write_queue_batches,
                               on_written=lambda e: progress.update(1, e["tokens"]))
     stats["extract_start"] = time.monotonic()
@@ -303,7 +305,7 @@ def _run_transformers(
                 oom_message = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             if oom_message is not None:  # outside the except block: the traceback (and its tensors) is gone
                 free_memory(device)
-                _on_oom(cfg, batcher, batch, oom_message, stats, progress)
+                _on_oom(cfg, batcher, budget, batch, oom_message, stats, progress)
                 continue
             aux, final = aux.to("cpu"), final.to("cpu")
             if check_pending and len(batch.indices) > 1:  # before anything of this batch is written
@@ -346,15 +348,15 @@ def _selfcheck_transformers(backend: hf_backend.TransformersBackend, batch: Batc
     selfcheck.record(store_dir, record, stats)
 
 
-def _on_oom(cfg: ExtractConfig, batcher: TokenBudgetBatcher, batch: Batch, message: str, stats: dict,
-            progress: _SafeProgress) -> None:
-    old, floor = batcher.budget, cfg.min_tokens_per_batch
+def _on_oom(cfg: ExtractConfig, batcher: TokenBudgetBatcher, budget: HalvingBudget, batch: Batch, message: str,
+            stats: dict, progress: _SafeProgress) -> None:
+    floor = budget.floor
     what = f"{len(batch.indices)} samples / {batch.padded_tokens:,} padded tokens"
-    if old > floor:
-        batcher.budget = max(old // 2, floor)
-        stats["token_budget_history"].append(batcher.budget)
-        log.warning("out of memory on a batch of %s (%s): token budget halved %s -> %s tokens per batch, retrying "
-                    "the same samples (model stays loaded)", what, message, f"{old:,}", f"{batcher.budget:,}")
+    if budget.halve():
+        batcher.budget = budget.value
+        stats["token_budget_history"].append(budget.value)
+        log.warning("out of memory on a batch of %s (%s): token budget halved %s, retrying the same samples (model "
+                    "stays loaded)", what, message, budget.describe_halving())
         batcher.put_back(batch)
     elif len(batch.indices) > 1:
         log.warning("out of memory on a batch of %s at the token-budget floor (%s tokens, min_tokens_per_batch): "
