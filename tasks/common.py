@@ -50,7 +50,7 @@ def _canonical(value: Any, keep_resumable: bool) -> Any:
 
 
 # task parameters about orchestration, never about what the stage computes
-NOT_KEYED = frozenset({"reuse_only"})
+NOT_KEYED = frozenset({"reuse_only", "placement"})
 
 
 def stage_key(stage: str, inputs: dict[str, Any], keep_resumable: bool = True) -> str:
