@@ -15,7 +15,8 @@ nodes by host name and process id; the workers take global rank ``node_rank * np
 static layout) before they join the process group, so node 0 always holds rank 0: the rank that writes the
 checkpoints, metrics and resume state, and whose outcome ``launch`` returns on node 0. With ``max_restarts`` the
 agents restart every node's workers after one dies (torch elastic's policy: the agent of the failed worker starts
-a new rendezvous round and the others follow it); restarted workers resume from ``latest/``. Each round's workers
+a new rendezvous round and the others follow it, their restart count unchanged); workers always resume from
+``latest/`` (a fresh start clears it before the launch). Each round's workers
 join the process group on a store of that round: torch 2.13 by default hands the workers the agents' own rendezvous
 store, which outlives a restart, and a restarted gloo group then read the previous attempt's peer addresses from it
 (measured: "connectFullMesh failed ... Connection refused", on one host too). The launcher turns that sharing off
@@ -36,6 +37,7 @@ import ctypes
 import logging
 import math
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -63,6 +65,7 @@ def launch(cfg, store_dir: str | Path, vocab_path: str | Path, verifier_path: st
 
     from eagle3.support.gpu import is_oom_text
     from eagle3.train.config import TrainError
+    from eagle3.train.trainer import LATEST
 
     if not 0 <= node_rank < cfg.nodes:
         raise TrainError(f"node_rank {node_rank} is not a node of this run (train.nodes {cfg.nodes}: 0 to "
@@ -75,9 +78,11 @@ def launch(cfg, store_dir: str | Path, vocab_path: str | Path, verifier_path: st
     rank0_log = out_dir / RANK0_LOG
     if node_rank == 0:  # node 0 holds rank 0 (_rank_by_node), the only writer of the run folder
         rank0_log.write_text("")
+        if not resume:  # a fresh start: without a resume state the trainer starts over (and clears the rest)
+            shutil.rmtree(out_dir / LATEST, ignore_errors=True)
     config = launch_config(cfg, out_dir, node_rank, local_addr)
     job = {"cfg": cfg.model_dump(mode="json"), "store_dir": str(store_dir), "vocab_path": str(vocab_path),
-           "verifier_path": str(verifier_path), "out_dir": str(out_dir), "resume": resume,
+           "verifier_path": str(verifier_path), "out_dir": str(out_dir),
            "node_rank": node_rank if cfg.nodes > 1 else None,
            "threads": max(1, (os.cpu_count() or 1) // cfg.nproc), "rank0_log": str(rank0_log)}
     where = (f"node {node_rank} of {cfg.nodes}, rendezvous {cfg.rdzv_id} at {cfg.rdzv_endpoint} "
@@ -248,13 +253,8 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
     root.addHandler(handler)
     torch.set_num_threads(job["threads"])
     _join_group("nccl" if device_type(cfg.device) == "cuda" else "gloo", serves_store)
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restart and d.main:
-        log.warning("[train] torch elastic restart %d of %d (a worker died): every node's workers start again and "
-                    "resume from %s", restart, cfg.max_restarts, Path(job["out_dir"]) / "latest")
-    try:  # a restarted worker resumes whatever the launch asked: a fresh start must not wipe what it trained
-        return run_local(cfg, job["store_dir"], job["vocab_path"], job["verifier_path"], job["out_dir"],
-                         job["resume"] or restart > 0, d)
+    try:  # always resume: a restarted worker (its node's restart count may be 0) continues from latest/
+        return run_local(cfg, job["store_dir"], job["vocab_path"], job["verifier_path"], job["out_dir"], True, d)
     except ValueError as e:  # bad input (TrainError, VocabError, ...): fail this rank (the agent stops the rest)
         raise WorkerBadInput(str(e)) from None
     finally:

@@ -53,6 +53,7 @@ from eagle3.vocab import load_mapping
 log = logging.getLogger("eagle3")
 
 METRICS = "metrics.jsonl"
+LATEST = "latest"  # the resume state's folder
 
 # ----------------------------------------------------------------------------- distributed plumbing
 
@@ -99,7 +100,7 @@ class Trainer:
         self.store_dir, self.vocab_path = Path(store_dir), Path(vocab_path)
         self.verifier_path, self.out_dir = Path(verifier_path), Path(out_dir)
         self.dist = dist or Dist()
-        self.ckpt_dir, self.latest_dir = self.out_dir / "checkpoints", self.out_dir / "latest"
+        self.ckpt_dir, self.latest_dir = self.out_dir / "checkpoints", self.out_dir / LATEST
         self.metrics_path = self.out_dir / METRICS
         self._loader: StepLoader | None = None
         self._last_save = time.monotonic()  # when the resume state was last written (save_state_every_minutes)
@@ -542,9 +543,11 @@ class Trainer:
         """The run's outcome, keyed exactly as eagle3.train.stage.DraftCheckpoint's fields (no renaming)."""
         best = ckpt.best_dir(self.ckpt_dir)
         vals = [r for r in self.history if r["event"] == "val"]
-        weights_sha = sha256_file(best / ckpt.WEIGHTS) if best and (best / ckpt.WEIGHTS).is_file() else None
+        # rank 0 wrote the checkpoint and holds its recorded hash (the other ranks' `best` is the resume state's)
+        weights_sha = (sha256_file(best / ckpt.WEIGHTS) if self.dist.main and best and (best / ckpt.WEIGHTS).is_file()
+                       else None)
         recorded = self.best.get("weights_sha256")
-        if best and recorded and weights_sha != recorded:
+        if self.dist.main and best and recorded and weights_sha != recorded:
             raise TrainError(f"the draft checkpoint {best / ckpt.WEIGHTS} does not match the sha256 recorded when "
                              f"training wrote it ({recorded[:12]}...): it was changed or damaged since. Restore it, "
                              f"or train again from scratch (delete {self.out_dir}, or resume=False)")
