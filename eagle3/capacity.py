@@ -400,7 +400,7 @@ class TrainingTime(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     gpus: int = Field(description="nodes x nproc")
-    nodes: int
+    nodes: int = Field(description="hosts training together")
     train_samples: int = Field(description="samples of the training split")
     trainable_parameters: int = Field(description="the draft's, count")
     compute_seconds: float = Field(description="epochs x train_samples x training_gpu_seconds_per_sample / gpus")

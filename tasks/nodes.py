@@ -9,7 +9,7 @@ folder (checkpoints, metrics, resume state, artifact.json), which the stage then
 
 ``train_on_nodes`` starts the node runs, reads their states every ``placement.poll_seconds``, and returns once all
 completed. When one fails (or crashes, or is cancelled), or one has not started within
-``train.join_timeout_seconds`` after the first node started (no worker took it), it cancels the others and raises
+``train.join_timeout_seconds`` after a worker took the first node's run (no worker took it), it cancels the others and raises
 ``NodeFailed``: one sentence that names the node, its work queue, its flow run and where its logs are.
 """
 
@@ -47,11 +47,12 @@ class NodeRun:
     state: str = "SCHEDULED"  # StateType value
     message: str = ""
     state_at: float = 0.0  # the state's timestamp (seconds since the epoch): which failure came first
-    started_at: float | None = None  # time.monotonic() when the run was first seen started (Running or later)
+    taken_at: float | None = None  # time.monotonic() when a worker was first seen to have taken the run (Pending or
+    # later: the flow process may take a while to start on a loaded host)
 
     @property
-    def started(self) -> bool:
-        return self.started_at is not None
+    def taken(self) -> bool:
+        return self.taken_at is not None
 
     @property
     def final(self) -> bool:
@@ -63,28 +64,38 @@ class NodeRun:
 
 
 def failure(runs: list[NodeRun], join_timeout_s: float, out_dir: str | Path, now: float) -> str | None:
-    """The one-sentence reason the multi-node training cannot go on (None while it can). Nodes that never started
-    are the cause before any failure they led to: a node not started ``join_timeout_s`` after the first node started
-    (which is then waiting for it at the rendezvous), or after the runs were created when none started, or when
-    another node already failed. Otherwise the node that failed first."""
+    """The one-sentence reason the multi-node training cannot go on (None while it can). Nodes whose run no worker
+    took are the cause before any failure they led to: a run still waiting on its work queue ``join_timeout_s`` after
+    a worker took the first node's run (that node then waits for it at the rendezvous), or after the runs were created
+    when no worker took any, or when another node already failed. Otherwise the node that failed first."""
     failed = sorted((r for r in runs if r.final and r.state != "COMPLETED"), key=lambda r: r.state_at)
-    since = min((r.started_at for r in runs if r.started_at is not None), default=min(r.created_at for r in runs))
-    missing = [r for r in runs if not r.started and r.state != "COMPLETED" and (failed or now - since > join_timeout_s)]
+    since = min((r.taken_at for r in runs if r.taken_at is not None), default=min(r.created_at for r in runs))
+    missing = [r for r in runs if not r.taken and r.state != "COMPLETED" and (failed or now - since > join_timeout_s)]
     if missing:
         who = " and ".join(str(r.rank) for r in missing)
         runs_text = ", ".join(f"'{r.name}' from work queue '{r.work_queue}'" for r in missing)
         cause = next((r for r in failed if r not in missing), None)
-        gave_up = f"; node {cause.rank} gave up: {cause.message.strip() or cause.state}" if cause else ""
+        gave_up = f"; node {cause.rank} gave up: {_short(cause.message) or cause.state}" if cause else ""
         queues = " / ".join(f"deployments/start_worker.sh {r.work_pool} {r.work_queue}" for r in missing)
-        return (f"node{'s' if len(missing) > 1 else ''} {who} of {len(runs)} never started: no worker took "
-                f"{'their flow runs' if len(missing) > 1 else 'its flow run'} {runs_text} (pool "
+        if len(missing) > 1:
+            nodes, their, where = "nodes", "their flow runs", "those queues on their hosts"
+        else:
+            nodes, their, where = "node", "its flow run", "that queue on the node's host"
+        return (f"{nodes} {who} of {len(runs)} never started: no worker took {their} {runs_text} (pool "
                 f"'{missing[0].work_pool}') within {join_timeout_s:g} s (train.join_timeout_seconds){gave_up}. Start "
-                f"a worker on that queue on the node's host ({queues})")
+                f"a worker on {where} ({queues})")
     if failed:
         r = failed[0]
         return (f"node {r.rank} of {len(runs)} (work queue '{r.work_queue}', flow run '{r.name}') ended "
-                f"{r.state}: {r.message.strip() or 'no message'}; its logs: {r.logs(out_dir)}")
+                f"{r.state}: {_short(r.message) or 'no message'}; its logs: {r.logs(out_dir)}")
     return None
+
+
+def _short(message: str, limit: int = 600) -> str:
+    """A node run's state message on one line, cut to ``limit`` characters (a worker's failure record spans many
+    lines; its logs hold the whole)."""
+    text = " ".join(message.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def train_on_nodes(cfg: TrainConfig, store: HiddenStates, vocab: VocabMapping, out_dir: str | Path,
@@ -147,8 +158,8 @@ def _update(run: NodeRun, fr) -> None:
                  f": {state.message}" if state and state.message and kind != "RUNNING" else "")
     run.state, run.message = kind, (state.message or "") if state else ""
     run.state_at = state.timestamp.timestamp() if state and state.timestamp else time.time()
-    if run.started_at is None and (fr.start_time is not None or kind == "RUNNING"):
-        run.started_at = time.monotonic()
+    if run.taken_at is None and kind not in ("SCHEDULED", "CANCELLED"):  # Pending or later: a worker has it
+        run.taken_at = time.monotonic()
     run.work_pool = fr.work_pool_name or run.work_pool
 
 
