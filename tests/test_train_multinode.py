@@ -364,6 +364,26 @@ def test_failure_names_the_node_that_never_started_before_the_one_that_gave_up()
         "`prefect flow-run logs id1` and /runs/x/torchrun-logs/node-1/")
 
 
+def test_a_node_refuses_inputs_it_does_not_see_as_recorded(tiny_llama_verifier, tmp_path):
+    """A node's host must see the store and the vocab mapping the pipeline recorded (shared storage at the same
+    path): a node that does not fails before its guard, naming itself and the files."""
+    import socket
+
+    from eagle3.extract.stage import HiddenStates
+    from eagle3.train.config import TrainError
+    from eagle3.train.stage import train_draft
+
+    store = HiddenStates.model_construct(out_dir=str(tmp_path / "extract"), store_path=str(tmp_path / "extract" /
+                                                                                           "store"))
+    cfg = TrainConfig(nodes=2, rdzv_endpoint="127.0.0.1:29400", rdzv_id="x", device="cpu")
+    with pytest.raises(TrainError, match=rf"node 1 \({re.escape(socket.gethostname())}\) does not see the training "
+                                         rf"inputs the pipeline recorded: {re.escape(str(tmp_path))}/extract/store is "
+                                         r"missing.*Every host must mount the run folder at the same path"):
+        train_draft(cfg, store, tmp_path / "mapping.safetensors", tmp_path / "out", verifier=tiny_llama_verifier,
+                    node_rank=1)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_lonely_node_0_times_out_at_the_rendezvous_naming_itself(tmp_path):
     """Node 0 waits for a node that never comes: one NodesNotJoined sentence after join_timeout_seconds."""
     from eagle3.train.launch import NodesNotJoined, launch
