@@ -1,5 +1,5 @@
 """Capacity planning before extraction: how many bytes the hidden-state store needs, whether the destination holds
-them with a margin, and roughly how long extraction takes.
+them with a margin, and roughly how long extraction and training take.
 
 Pipeline position: data -> **capacity** -> extract. Reads the verifier's ``config.json`` only (no weights; the
 weight byte count comes from the safetensors index or file sizes) and the per-sample token lengths of the prepared
@@ -16,6 +16,15 @@ Store bytes per sample of T tokens (docs/DESIGN.md, one safetensors file per sam
 Kimi-K2.5 (hidden 7168, aux [2, 30, 58] + final, bf16): 57,344 B/token of hidden states, 29,360,128 B for 512 tokens;
 float8_e4m3fn: 28,688 B/token (28,672 + 16 of scales), 0.5003 of bf16.
 Aux layer ids are in vLLM's convention (id k = residual stream ENTERING decoder layer k).
+
+Training time (``plan_training_time``), for E epochs over the training split S = N (1 - val_ratio) samples on
+W = nodes x nproc GPUs:
+
+    compute        E * S * training_gpu_seconds_per_sample / W
+    network        nodes > 1: every optimizer step all-reduces the float32 gradients across the hosts (inside a host
+                   NCCL runs over NVLink, counted in the compute figure): 2 (nodes - 1) / nodes * 4 * P bytes through
+                   each host's links (P trainable parameters), at internode_bytes_per_second, for
+                   E * ceil(S / batch_size) steps (at least: one sample per packed row; packing shares rows)
 """
 
 from __future__ import annotations
@@ -90,6 +99,21 @@ class CapacityConfig(BaseModel):
         gt=0.0,
         description="Tokens per second the verifier generates in vLLM over a whole batch (the regenerate stage's "
         "time estimate); measured on this project's 2 CPU cores for SmolLM2-135M: see the README.",
+    )
+    training_gpu_seconds_per_sample: float = Field(
+        1.41,
+        gt=0.0,
+        description="GPU-seconds to train the draft on one sample for one epoch (every TTT step, forward + "
+        "backward, on one GPU; validation and saves included, the network between hosts aside). The original "
+        "Kimi-K2.5 run: 950 training samples (1,000, 5% held out) x 10 epochs in 28 minutes on 8 GPUs = 1.41 GPU-s. "
+        "Longer samples or another draft width scale it.",
+    )
+    internode_bytes_per_second: float = Field(
+        50e9,
+        gt=0.0,
+        description="Bytes per second between two training hosts, per host (all its network links together; one "
+        "400 Gb/s InfiniBand NDR link = 50e9): with train.nodes > 1 each optimizer step all-reduces the float32 "
+        "gradients across the hosts (the training time estimate's network part).",
     )
     on_insufficient: Literal["fail", "warn"] = Field(
         "fail",
@@ -388,6 +412,62 @@ def loads_summary(loads: list[VerifierLoad], load_s: float, problem: str | None,
         line += ("; validation's verifier-alone baseline comes from the regeneration's engine session" if problem
                  is None else f"; validation starts its own verifier-alone engine ({problem})")
     return line
+class TrainingShape(BaseModel):
+    """What the training time estimate reads of the train and vocab settings (the capacity stage is keyed on these,
+    not on the whole training config: a new learning rate does not replan)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    epochs: int = Field(gt=0, description="Passes over the training split.")
+    val_ratio: float = Field(ge=0, lt=1, description="Fraction of samples held out for validation.")
+    batch_size: int = Field(gt=0, description="Packed sequences per optimizer step, all processes together.")
+    nodes: int = Field(gt=0, description="Hosts training together.")
+    nproc: int = Field(gt=0, description="Training processes (GPUs) per host.")
+    draft_vocab_size: int = Field(gt=0, description="Draft vocabulary, tokens (the lm_head's rows).")
+    draft: DraftArchitecture = Field(description="The draft's architecture options (its parameter count).")
+
+
+class TrainingTime(BaseModel):
+    """Seconds (estimates) of one training run; see the module docstring."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gpus: int = Field(description="nodes x nproc")
+    nodes: int = Field(description="hosts training together")
+    train_samples: int = Field(description="samples of the training split")
+    trainable_parameters: int = Field(description="the draft's, count")
+    compute_seconds: float = Field(description="epochs x train_samples x training_gpu_seconds_per_sample / gpus")
+    optimizer_steps: int = Field(description="at least epochs x ceil(train_samples / batch_size)")
+    allreduce_bytes_per_step: int = Field(description="bytes through each host's links per step (0 on one host)")
+    network_seconds: float = Field(description="optimizer_steps x allreduce_bytes_per_step / "
+                                   "internode_bytes_per_second")
+    seconds: float = Field(description="compute_seconds + network_seconds")
+
+    def summary(self, epochs: int) -> str:
+        where = f"{self.nodes} hosts x {self.gpus // self.nodes} GPUs" if self.nodes > 1 else f"{self.gpus} GPU(s)"
+        net = (f" + gradient all-reduce between hosts {fmt_duration(self.network_seconds)} ({self.optimizer_steps:,} "
+               f"steps x {self.allreduce_bytes_per_step / 1e9:,.2f} GB per host)" if self.nodes > 1 else "")
+        return (f"  training: {fmt_duration(self.seconds)} (h:mm:ss) on {where} = compute "
+                f"{fmt_duration(self.compute_seconds)} ({epochs} epochs x {self.train_samples:,} samples){net}")
+
+
+def plan_training_time(shape: TrainingShape, spec: VerifierSpec, aux_layer_ids: list[int], num_samples: int,
+                       cfg: CapacityConfig) -> TrainingTime:
+    """The training time estimate of ``shape`` over ``num_samples`` samples (see the module docstring)."""
+    from eagle3.draft.config import DraftConfig
+    from eagle3.train.memory import parameter_counts
+
+    trainable = sum(parameter_counts(DraftConfig.build(spec, shape.draft_vocab_size, aux_layer_ids,
+                                                       shape.draft))[0].values())
+    gpus = shape.nodes * shape.nproc
+    samples = num_samples - round(num_samples * shape.val_ratio)
+    compute = shape.epochs * samples * cfg.training_gpu_seconds_per_sample / gpus
+    steps = shape.epochs * math.ceil(samples / shape.batch_size)
+    per_step = 0 if shape.nodes == 1 else math.ceil(2 * (shape.nodes - 1) / shape.nodes * 4 * trainable)
+    network = steps * per_step / cfg.internode_bytes_per_second
+    return TrainingTime(gpus=gpus, nodes=shape.nodes, train_samples=samples, trainable_parameters=trainable,
+                        compute_seconds=compute, optimizer_steps=steps, allreduce_bytes_per_step=per_step,
+                        network_seconds=network, seconds=compute + network)
 
 
 class CapacityPlan(Artifact):
@@ -405,8 +485,10 @@ class CapacityPlan(Artifact):
     required_free_bytes: int = Field(description="total_bytes plus the margin, bytes.")
     free_bytes: int | None = Field(description="Free bytes at the destination (None: unknown).")
     fits: bool | None = Field(description="required_free_bytes <= free_bytes (None: free space unknown).")
-    estimated_seconds: float = Field(description="Regeneration (when on) + model load + extraction, seconds (an "
-                                     "estimate).")
+    estimated_seconds: float = Field(description="Regeneration (when on) + model load + extraction + training "
+                                     "(when planned), seconds (an estimate).")
+    training_seconds: float | None = Field(None, description="Training estimate (compute on nodes x nproc GPUs + "
+                                           "the gradient all-reduce between hosts), seconds; None: not planned.")
     regeneration_seconds: float | None = Field(description="Regeneration estimate: one more verifier load + the "
                                                "upper bound of generated tokens at generation_tokens_per_second.")
     regeneration_tokens_upper: int | None = Field(description="Tokens regeneration generates at most (every turn "
@@ -429,7 +511,7 @@ class CapacityPlan(Artifact):
 
 def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: VerifierIdentity, prepared: PreparedData,
                   dest: str | os.PathLike, out_dir: str | Path,
-                  regenerate: RegenerateConfig | None = None, draft: DraftArchitecture | None = None,
+                  regenerate: RegenerateConfig | None = None, training: TrainingShape | None = None,
                   validate: ValidateConfig | None = None) -> CapacityPlan:
     """The capacity stage: resolve the store's layout with the rules extraction uses (aux layers, compute and store
     dtypes), plan it at ``dest`` and write ``<out_dir>/plan.json``. Raises CapacityError when it would not fit, and
@@ -438,10 +520,13 @@ def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: Verifie
 
     With ``regenerate`` enabled the answers are not known yet: the store is planned for the upper bound (every
     assistant turn at max_new_tokens, each conversation cut at max_seq_len), and the time adds the regeneration
-    estimate (a verifier load + the generated tokens at generation_tokens_per_second). The plan counts every
-    verifier load of the run (``verifier_loads``, with ``validate``'s engine sessions) and their time."""
+    estimate (a verifier load + the generated tokens at generation_tokens_per_second). With ``training`` the time
+    adds the training estimate on its nodes x nproc GPUs (``plan_training_time``), and the plan refuses a draft kind
+    vLLM here could not serve beside the verifier. The plan counts every verifier load of the run
+    (``verifier_loads``, with ``validate``'s engine sessions) and their time."""
     spec = verifier.spec()
-    if draft is not None and (problem := serving_pair_problem(spec.mla, draft.kind, device_type("auto"))):
+    if training is not None and (problem := serving_pair_problem(spec.mla, training.draft.kind,
+                                                                  device_type("auto"))):
         raise CapacityError(problem)
     aux = spec.resolve_aux_layer_ids(extract.aux_layer_ids)
     compute, store = extract.resolved_dtypes(spec)
@@ -464,6 +549,14 @@ def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: Verifie
                     f"\n  total estimate: {fmt_duration(total_s)} (h:mm:ss)")
         for line in summary.splitlines()[-2:]:
             log.info("[capacity] %s", line)
+    train_time = None
+    if training is not None:
+        train_time = plan_training_time(training, spec, aux, plan.num_samples, cfg)
+        total_s += train_time.seconds
+        extra = [train_time.summary(training.epochs), f"  total estimate with training: {fmt_duration(total_s)}"]
+        summary += "\n" + "\n".join(extra)
+        for line in extra:
+            log.info("[capacity] %s", line)
     regen_dtype = describe_compute_dtype(regenerate.dtype, spec.dtype, "auto") if regenerate is not None else None
     loads, problem = verifier_loads(extract, regenerate, regen_dtype, validate)
     load_line = loads_summary(loads, plan.model_load_seconds, problem, validate is not None)
@@ -472,6 +565,7 @@ def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: Verifie
     path = atomic_write_json(Path(out_dir) / PLAN_FILE, {**plan.model_dump(mode="json"),
                                                          "regeneration_seconds": regen_s,
                                                          "regeneration_tokens_upper": regen_tokens,
+                                                         "training": train_time and train_time.model_dump(),
                                                          "verifier_loads": [ld.model_dump() for ld in loads],
                                                          "verifier_load_seconds": plan.model_load_seconds * len(loads),
                                                          "baseline_not_shared_because": problem})
@@ -484,6 +578,7 @@ def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: Verifie
         compute_dtype=compute, store_dtype=store, bytes_per_token=plan.bytes_per_token, total_bytes=plan.total_bytes,
         required_free_bytes=plan.required_free_bytes, free_bytes=plan.free_bytes, fits=plan.fits,
         estimated_seconds=total_s, regeneration_seconds=regen_s, regeneration_tokens_upper=regen_tokens,
-        verifier_loads=loads, verifier_load_seconds=plan.model_load_seconds * len(loads), summary=summary, plan_sha256=sha256_file(path))
+        training_seconds=train_time and train_time.seconds, verifier_loads=loads,
+        verifier_load_seconds=plan.model_load_seconds * len(loads), summary=summary, plan_sha256=sha256_file(path))
     artifact.save()
     return artifact

@@ -23,7 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from eagle3.capacity import CapacityConfig
+from eagle3.capacity import CapacityConfig, TrainingShape
 from eagle3.chat.encoder import ChatSettings
 from eagle3.engine.settings import VALIDATE_TIMEOUT_S, EngineOverrides, EngineSettings
 from eagle3.extract.config import ExtractConfig
@@ -96,6 +96,42 @@ class HostConfig(LockSettings):
         json_schema_extra=RUNTIME)
 
 
+class NodeHost(BaseModel):
+    """One host of a multi-node training: where its node's flow run goes and which guard it takes there."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    work_queue: str = Field(description="The work queue this host's worker polls (deployments/start_worker.sh POOL "
+                            "QUEUE): the node's flow run is placed on it.", json_schema_extra=RUNTIME)
+    gpu_concurrency_limit: str | None = Field(
+        None, description="This host's Prefect global concurrency limit (slots = its GPUs; deployments/"
+        "setup_prefect.sh POOL LIMIT GPUS); None = host.gpu_concurrency_limit. Give each host its own: one limit "
+        "shared by two hosts makes the second node wait for slots the first holds.", json_schema_extra=RUNTIME)
+    address: str | None = Field(
+        None, description="The address the other hosts reach this one at (torch elastic's local_addr; node 0's is "
+        "where workers find the process group's store); None = this host's fully qualified name.",
+        json_schema_extra=RUNTIME)
+
+
+class NodePlacement(BaseModel):
+    """Where a multi-node training (train.nodes > 1) runs: the train stage starts one flow run of ``deployment`` per
+    host, node 0 first, each on its host's work queue, waits for all of them, and fails (cancelling the others) when
+    one fails. Placement never changes what is trained."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    deployment: str = Field(
+        "eagle3-train-node/train-node", description="The deployment that runs one node (flow eagle3-train-node, "
+        "registered by `prefect deploy` from prefect.yaml); its work pool must hold every host's work queue.",
+        json_schema_extra=RUNTIME)
+    hosts: list[NodeHost] = Field(
+        default_factory=list, description="One entry per node, node 0 first (node 0 hosts the rendezvous at "
+        "train.rdzv_endpoint and writes the run's files). Needed when train.nodes > 1; exactly train.nodes entries.",
+        json_schema_extra=RUNTIME)
+    poll_seconds: float = Field(2.0, gt=0, description="Seconds between two reads of the node runs' states.",
+                                json_schema_extra=RUNTIME)
+
+
 class PipelineConfig(BaseModel):
     """Chat data + a verifier checkpoint -> an EAGLE-3 draft checkpoint that vLLM loads, with measured acceptance."""
 
@@ -128,12 +164,19 @@ class PipelineConfig(BaseModel):
     validate_: ValidateSection = Field(default_factory=ValidateSection, alias="validate",
                                       description="Stage 5: checkpoint contract + vLLM speculative decoding.")
     host: HostConfig = Field(default_factory=HostConfig, description="GPU host guards (concurrency slots, lock).")
+    placement: NodePlacement = Field(default_factory=NodePlacement, description="Multi-node training "
+                                     "(train.nodes > 1): the host of each node.")
 
     @model_validator(mode="after")
     def _check(self) -> PipelineConfig:
         if self.train.max_seq_len is not None and self.train.max_seq_len < self.max_seq_len:
             raise ValueError(f"train.max_seq_len ({self.train.max_seq_len} tokens) < max_seq_len "
                              f"({self.max_seq_len} tokens): a kept sample would not fit a packed sequence")
+        if self.train.nodes > 1 and len(self.placement.hosts) != self.train.nodes:
+            raise ValueError(f"placement.hosts lists {len(self.placement.hosts)} host(s) but train.nodes is "
+                             f"{self.train.nodes}: give one work queue per node, node 0 first")
+        if self.train.nodes > 1 and (problem := self.train.world_problem()):
+            raise ValueError(f"train.{problem}")
         return self
 
     # --- the stage configs, with the shared values filled in
@@ -172,6 +215,12 @@ class PipelineConfig(BaseModel):
     def extract_config(self) -> ExtractConfig:
         return ExtractConfig.model_validate({**self.extract.model_dump(exclude={"engine"}), "verifier": self.verifier,
                                              "engine": self.engine_for(self.extract)})
+
+    def training_shape(self) -> TrainingShape:
+        """What the capacity plan's training time estimate reads (epochs, split, batch, nodes x GPUs, draft size)."""
+        t = self.train
+        return TrainingShape(epochs=t.epochs, val_ratio=t.val_ratio, batch_size=t.batch_size, nodes=t.nodes,
+                             nproc=t.nproc, draft_vocab_size=self.vocab.draft_vocab_size, draft=t.draft)
 
     def train_config(self) -> TrainConfig:
         return TrainConfig.model_validate({**self.train.model_dump(),

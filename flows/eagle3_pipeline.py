@@ -3,8 +3,8 @@
     prepare -> capacity plan [-> regenerate -> prepare the regenerated conversations] -> extract -> vocab -> train
     -> validate
 
-Three flows, deployed by prefect.yaml: the whole pipeline, extraction alone (a shard range per GPU host), and
-train + validate over an existing store. Run locally with Prefect's ephemeral API (no server to start):
+Flows deployed by prefect.yaml: the whole pipeline, extraction alone (a shard range per GPU host), train + validate
+over an existing store, and one node of a multi-node training (started by the train stage when train.nodes > 1). Run locally with Prefect's ephemeral API (no server to start):
 
     python -m flows.eagle3_pipeline --preset tiny [--set train.epochs=2 ...]
 
@@ -37,6 +37,7 @@ tag_run_logs()  # every line the run sends to the UI starts with the stage (task
 
 from eagle3.config import (
     ConfigError,
+    HostConfig,
     PipelineConfig,
     apply_overrides,
     load_config,
@@ -45,9 +46,12 @@ from eagle3.config import (
     validate_config,
 )
 from eagle3.draft.checkpoint import check_weights
+from eagle3.extract.stage import HiddenStates
 from eagle3.support.io import sha256_json
 from eagle3.support.paths import resolve_path
 from eagle3.support.subproc import start_reaper
+from eagle3.train.config import TrainConfig
+from eagle3.vocab import VocabMapping
 from tasks import artifacts
 from tasks.capacity import plan_capacity_task
 from tasks.common import (
@@ -62,7 +66,7 @@ from tasks.common import (
 from tasks.extract import extract_hidden_states_task
 from tasks.prepare import prepare_data_task
 from tasks.regenerate import regenerate_task
-from tasks.train import train_draft_task
+from tasks.train import train_draft_task, train_node_task
 from tasks.validate import validate_draft_task
 from tasks.vocab import build_vocab_task
 
@@ -120,7 +124,7 @@ def _front(config: PipelineConfig, s: dict, regenerated_only_if_cached: bool = F
     prepared = run_stage(s["prepare-data"], cfg=prepare, sources=sources, tokenizer=tokenizer, run_dir=config.run_dir)
     regen_cfg = config.regenerate_config()
     plan = run_stage(s["plan-capacity"], cfg=config.capacity, extract=config.extract_config(), verifier=verifier,
-                     prepared=prepared, regenerate=regen_cfg, draft=config.train.draft,
+                     prepared=prepared, regenerate=regen_cfg, training=config.training_shape(),
                      validate=config.validate_config, run_dir=config.run_dir)
     regenerated = None
     if regen_cfg.enabled:
@@ -146,7 +150,7 @@ def eagle3_pipeline(config: PipelineConfig = DEFAULT_CONFIG, overrides: dict[str
     vocab = run_stage(s["build-vocab"], cfg=config.vocab, verifier=verifier, prepared=prepared,
                       run_dir=config.run_dir)
     checkpoint = run_stage(s["train-draft"], cfg=config.train_config(), store=store, vocab=vocab,
-                           run_dir=config.run_dir, host=config.host)
+                           run_dir=config.run_dir, host=config.host, placement=config.placement)
     prompts = describe_prompts_task([resolve_path(config.validate_config.prompts_path)])
     report = run_stage(s["validate-draft"], cfg=config.validate_config, checkpoint=checkpoint, prompts=prompts,
                        chat=chat, tokenizer=tokenizer, regenerated=regenerated, run_dir=config.run_dir,
@@ -194,6 +198,21 @@ def eagle3_train_validate(config: PipelineConfig = DEFAULT_CONFIG, overrides: di
     pipeline: prepare and plan are cache hits, and the extract stage only verifies the finished store (and fills any
     gap a failed shard left), so training never starts on a partial store."""
     return eagle3_pipeline.fn(config, overrides)
+
+
+def node_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    return f"train-node{flow_run.parameters['node_rank']}"
+
+
+@flow(name="eagle3-train-node", flow_run_name=node_run_name)
+def eagle3_train_node(cfg: TrainConfig, store: HiddenStates, vocab: VocabMapping, out_dir: str, node_rank: int,
+                      host: HostConfig | None = None, address: str | None = None) -> dict:
+    """One node of a multi-node training (train.nodes > 1), on the host whose work queue it was placed on. The train
+    stage of a pipeline run starts one per node (tasks/nodes.py) and names each run after itself; not for starting
+    by hand."""
+    return train_node_task(cfg, store, vocab, out_dir, node_rank, host, address)
 
 
 class PipelineCLI(BaseSettings):

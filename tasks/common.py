@@ -52,7 +52,7 @@ def _canonical(value: Any, keep_resumable: bool) -> Any:
 
 # task parameters about orchestration, never about what the stage computes (``baseline_for``: regeneration's engine
 # session also generates validation's verifier-alone baseline; asking for it never regenerates the data)
-NOT_KEYED = frozenset({"reuse_only", "baseline_for"})
+NOT_KEYED = frozenset({"reuse_only", "placement", "baseline_for"})
 
 
 def stage_key(stage: str, inputs: dict[str, Any], keep_resumable: bool = True) -> str:

@@ -16,11 +16,13 @@ host: workers, deployments, automations; the UI off). One of each per test sessi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -239,6 +241,30 @@ def start_process(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
     """A long-running helper process (server, worker) in its own process group, output to ``log``."""
     with open(log, "ab") as out:
         return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for(what: str, check, deadline_s: float, every_s: float = 1.0):
+    """``check()``'s first truthy value, read every ``every_s`` seconds; AssertionError naming ``what`` after
+    ``deadline_s`` seconds (tests wait for what they read, never a fixed time)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {deadline_s:.0f} s")
+        time.sleep(every_s)
+
+
+@contextlib.contextmanager
+def prefect_client(env: dict):
+    """A synchronous Prefect client of the server ``env`` points at (``prefect_server``'s env), whatever server this
+    process's own settings name."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as client:
+        yield client
 
 
 @pytest.fixture(scope="session")

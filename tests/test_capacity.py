@@ -9,7 +9,14 @@ import datasets
 import pytest
 import torch
 
-from eagle3.capacity import CapacityConfig, CapacityError, plan_store, sample_lengths, store_file_bytes
+from eagle3.capacity import (
+    CapacityConfig,
+    CapacityError,
+    plan_store,
+    plan_training_time,
+    sample_lengths,
+    store_file_bytes,
+)
 from eagle3.store import serialize_sample
 from eagle3.support.dtypes import torch_dtype
 from eagle3.support.verifier import VerifierError
@@ -167,3 +174,28 @@ def test_verifier_loads_per_run_and_the_shared_baseline():
     assert [(ld.engine, ld.what) for ld in loads] == [
         ("transformers", "hidden states"), ("vLLM", "verifier + trained draft"), ("vLLM", "verifier alone (baseline)"),
         ("vLLM", "verifier + untrained draft"), ("transformers", "offline reference")]
+def test_training_time_counts_the_nodes_and_the_network_between_them(tmp_path):
+    """The kimi-k2.5 preset on one host reproduces the original run (1,000 samples x 10 epochs, 28 minutes on 8 GPUs);
+    on two hosts the compute halves and every optimizer step adds the gradient all-reduce between the hosts."""
+    from eagle3.config import load_config
+    from eagle3.support.verifier import VerifierSpec
+
+    text = {"model_type": "kimi_k2", "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 61,
+            "num_attention_heads": 64, "num_key_value_heads": 64, "v_head_dim": 128, "kv_lora_rank": 512,
+            "vocab_size": 163840, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"}  # what sizes the draft
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["KimiK25ForConditionalGeneration"],
+                                                      "model_type": "kimi_k25", "text_config": text}))
+    spec = VerifierSpec.from_path(tmp_path)
+    one = plan_training_time(load_config("kimi-k2.5").training_shape(), spec, KIMI_AUX, 1000, CapacityConfig())
+    assert (one.gpus, one.nodes, one.train_samples, one.network_seconds) == (8, 1, 950, 0.0)
+    assert one.seconds == pytest.approx(28 * 60, rel=0.01)
+    two = plan_training_time(load_config("kimi-k2.5-2nodes").training_shape(), spec, KIMI_AUX, 1000, CapacityConfig())
+    assert two.gpus == 16 and two.compute_seconds == pytest.approx(one.compute_seconds / 2)
+    assert two.optimizer_steps == 10 * 60  # ceil(950 / 16) steps per epoch
+    assert two.trainable_parameters == 1_190_948_864  # docs/DESIGN.md's memory plan counts the same draft
+    assert two.allreduce_bytes_per_step == 4 * two.trainable_parameters  # 2 (n - 1) / n = 1 for two hosts
+    assert two.network_seconds == pytest.approx(600 * two.allreduce_bytes_per_step / 50e9)
+    slow = plan_training_time(load_config("kimi-k2.5-2nodes").training_shape(), spec, KIMI_AUX, 1000,
+                              CapacityConfig(internode_bytes_per_second=12.5e9))  # one 100 Gb/s link
+    assert slow.network_seconds == pytest.approx(4 * two.network_seconds)
+    assert "on 2 hosts x 8 GPUs" in two.summary(10) and "gradient all-reduce between hosts" in two.summary(10)

@@ -228,7 +228,8 @@ def test_capacity_refuses_a_draft_kind_vllm_cannot_serve_here_before_anything_ru
         pytest.skip("on a GPU host vLLM serves both draft kinds beside an MLA verifier")
     with pytest.raises(CapacityError, match=r"cannot serve a llama draft beside an MLA verifier .* set "
                                             r"train.draft.kind: mla$"):
-        plan_capacity_task.fn(cfg.capacity, extract, verifier, prepared, str(tmp_path), draft=DraftArchitecture())
+        plan_capacity_task.fn(cfg.capacity, extract, verifier, prepared, str(tmp_path),
+                              training=cfg.training_shape().model_copy(update={"draft": DraftArchitecture()}))
     plan = plan_capacity_task.fn(cfg.capacity, extract, verifier, prepared, str(tmp_path),
-                                 draft=DraftArchitecture(kind="mla"))
+                                 training=cfg.training_shape().model_copy(update={"draft": DraftArchitecture(kind="mla")}))
     assert plan.aux_layer_ids == [1, 2]

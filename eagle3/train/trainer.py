@@ -54,6 +54,7 @@ from eagle3.vocab import load_mapping
 log = logging.getLogger("eagle3")
 
 METRICS = "metrics.jsonl"
+LATEST = "latest"  # the resume state's folder
 
 # ----------------------------------------------------------------------------- distributed plumbing
 
@@ -100,7 +101,7 @@ class Trainer:
         self.store_dir, self.vocab_path = Path(store_dir), Path(vocab_path)
         self.verifier_path, self.out_dir = Path(verifier_path), Path(out_dir)
         self.dist = dist or Dist()
-        self.ckpt_dir, self.latest_dir = self.out_dir / "checkpoints", self.out_dir / "latest"
+        self.ckpt_dir, self.latest_dir = self.out_dir / "checkpoints", self.out_dir / LATEST
         self.metrics_path = self.out_dir / METRICS
         self._loader: StepLoader | None = None
         self._last_save = time.monotonic()  # when the resume state was last written (save_state_every_minutes)
@@ -545,12 +546,12 @@ class Trainer:
         """The run's outcome, keyed exactly as eagle3.train.stage.DraftCheckpoint's fields (no renaming)."""
         best = ckpt.best_dir(self.ckpt_dir)
         vals = [r for r in self.history if r["event"] == "val"]
-        weights_sha = sha256_file(best / ckpt.WEIGHTS) if best and (best / ckpt.WEIGHTS).is_file() else None
-        recorded = self.best.get("weights_sha256")
-        if best and recorded and weights_sha != recorded:
-            raise TrainError(f"the draft checkpoint {best / ckpt.WEIGHTS} does not match the sha256 recorded when "
-                             f"training wrote it ({recorded[:12]}...): it was changed or damaged since. Restore it, "
-                             f"or train again from scratch (delete {self.out_dir}, or resume=False)")
+        # rank 0 wrote the checkpoint and holds its recorded hash (the other ranks' `best` is the resume state's)
+        weights_sha = None
+        if self.dist.main and best:
+            weights_sha, problem = ckpt.check_weights(best, self.best.get("weights_sha256"))
+            if problem:
+                raise TrainError(f"{problem}; or train again from scratch (delete {self.out_dir}, or resume=False)")
         return {
             "out_dir": str(self.out_dir), "checkpoint_dir": str(best) if best else None,
             "weights_sha256": weights_sha,
