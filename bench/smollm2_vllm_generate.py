@@ -35,8 +35,8 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     from eagle3.chat.encoder import ChatSettings
-    from eagle3.support.gguf_convert import SMOLLM2_DIR
     from eagle3.validate.vllm_check import load_tokenizer
+    from tools.gguf_convert import SMOLLM2_DIR
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="+", default=["16x128", "16x256", "64x128", "64x256"],

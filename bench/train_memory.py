@@ -63,11 +63,11 @@ def child(ns: argparse.Namespace) -> None:
 
     from eagle3.draft.config import DraftConfig
     from eagle3.store import HiddenStateStore
-    from eagle3.support.gguf_convert import SMOLLM2_DIR
     from eagle3.support.verifier import VerifierSpec
     from eagle3.train.config import TrainConfig
     from eagle3.train.memory import plan_training_memory
     from eagle3.train.stage import train_draft
+    from tools.gguf_convert import SMOLLM2_DIR
 
     b, t, k = ns.case
     work = Path(ns.work)

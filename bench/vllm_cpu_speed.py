@@ -32,9 +32,9 @@ sys.path.insert(0, str(REPO))
 
 from eagle3.chat.encoder import ChatSettings
 from eagle3.engine.settings import EngineSettings
-from eagle3.support.gguf_convert import SMOLLM2_DIR
 from eagle3.support.paths import vllm_python, vllm_subprocess_env
 from eagle3.support.subproc import run_subprocess
+from tools.gguf_convert import SMOLLM2_DIR
 
 CPU_DEFAULTS = ("LD_PRELOAD", "OMP_NUM_THREADS", "KMP_BLOCKTIME", "KMP_AFFINITY", "KMP_TPAUSE")
 PROMPTS = REPO / "data" / "stdlib-chat" / "eval.openai.jsonl"

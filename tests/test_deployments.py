@@ -16,7 +16,7 @@ import time
 import uuid
 
 import pytest
-from conftest import BIN, REPO, prefect_client, start_process, wait_for
+from helpers import BIN, REPO, prefect_client, start_process, wait_for
 
 from tasks.crash_detection import AUTOMATION_NAME, DEFAULT_WINDOW_SECONDS, ensure_zombie_automation
 

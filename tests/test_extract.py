@@ -9,7 +9,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from conftest import make_dataset
+from helpers import make_dataset
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 

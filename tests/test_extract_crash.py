@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import make_dataset
+from helpers import make_dataset
 
 from eagle3.extract.stage import extract_hidden_states
 from eagle3.store import MANIFEST, HiddenStateStore

@@ -105,7 +105,7 @@ def test_sample_bytes_are_identical_in_every_process(tmp_path):
     import subprocess
     import sys
 
-    from conftest import REPO
+    from helpers import REPO
 
     code = ("import hashlib, torch\n"
             "from eagle3.store import serialize_sample\n"

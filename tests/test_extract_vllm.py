@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from conftest import make_dataset
+from helpers import make_dataset
 
 from eagle3.extract.stage import extract_hidden_states
 from eagle3.extract.vllm_backend import VllmExtractionError

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import BUNDLED_DATA, REPO
+from helpers import BUNDLED_DATA, REPO
 
 from eagle3.config import ConfigError, PipelineConfig, apply_overrides, load_config, parse_set, preset_names
 

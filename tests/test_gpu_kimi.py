@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BUNDLED_DATA
+from helpers import BUNDLED_DATA
 
 from eagle3.config import load_config
 from eagle3.draft.config import DraftArchitecture

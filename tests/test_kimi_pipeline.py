@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import KIMI_SHAPED_SMALL, make_dataset
+from helpers import KIMI_SHAPED_SMALL, make_dataset
 
 from eagle3.config import load_config
 from eagle3.extract.selfcheck import BatchInvarianceError

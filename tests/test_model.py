@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import vocab_tables
+from helpers import vocab_tables
 
 from eagle3.draft.config import DraftArchitecture, DraftConfig, DraftConfigError
 from eagle3.draft.model import Eagle3Draft

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import vocab_tables
+from helpers import vocab_tables
 
 from eagle3.draft.config import DraftArchitecture, DraftConfig, DraftConfigError, serving_pair_problem
 from eagle3.draft.model import Eagle3Draft

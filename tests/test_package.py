@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 
 
 def test_every_library_module_imports_outside_the_checkout(tmp_path):

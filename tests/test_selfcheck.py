@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_dataset
+from helpers import make_dataset
 
 from eagle3.extract import selfcheck
 from eagle3.extract.selfcheck import BatchInvarianceError

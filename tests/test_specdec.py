@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import vocab_tables
+from helpers import vocab_tables
 
 from eagle3.chat.encoder import ChatSettings
 from eagle3.chat.sources import PromptError, read_prompt_messages

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import TINY, make_dataset, make_store
 from safetensors.torch import load, save
-from test_extract import make_dataset
-from test_train import TINY, make_store
 
 from eagle3.capacity import store_file_bytes
 from eagle3.extract.stage import extract_hidden_states

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BUNDLED_DATA
+from helpers import BUNDLED_DATA
 
 from eagle3.capacity import CapacityPlan
 from eagle3.config import load_config

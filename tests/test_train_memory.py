@@ -9,7 +9,7 @@ import logging
 
 import pytest
 import torch
-from test_train import TINY, random_store  # noqa: F401 - the module-scoped store fixture
+from helpers import TINY
 
 from eagle3.draft.config import DraftArchitecture, DraftConfig
 from eagle3.draft.model import Eagle3Draft
@@ -39,7 +39,7 @@ ARCHS = {  # the draft variants whose plan is checked against the module: GQA an
 
 @pytest.fixture(scope="module")
 def verifiers(tiny_llama_verifier, kimi_like_target, tmp_path_factory):
-    from conftest import save_kimi_like_target
+    from helpers import save_kimi_like_target
 
     no_q = save_kimi_like_target(tmp_path_factory.mktemp("kimi-no-q") / "target")
     cfg = json.loads((no_q / "config.json").read_text())
@@ -129,7 +129,7 @@ def test_plan_counts_the_nodes(tiny_llama_verifier):
     assert items["AdamW states"] < one["AdamW states"]  # sharded over 4 processes instead of 2
 
 
-def test_trainer_logs_the_plan_and_refuses_before_allocating(random_store, tiny_llama_verifier, tmp_path,  # noqa: F811
+def test_trainer_logs_the_plan_and_refuses_before_allocating(random_store, tiny_llama_verifier, tmp_path,
                                                             caplog):
     store, mapping = random_store
     with caplog.at_level(logging.INFO, logger="eagle3"):

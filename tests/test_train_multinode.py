@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import BIN, REPO, prefect_client, start_process, wait_for
+from helpers import BIN, REPO, prefect_client, start_process, wait_for
 from safetensors.torch import load_file
 
 from eagle3.train.config import TrainConfig

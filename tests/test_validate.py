@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import vocab_tables
+from helpers import vocab_tables
 from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 

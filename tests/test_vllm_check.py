@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import vocab_tables
+from helpers import vocab_tables
 
 from eagle3.chat.encoder import ChatSettings
 from eagle3.draft.checkpoint import load_draft, save_draft
@@ -140,7 +140,7 @@ def test_offline_reference_agrees_with_vllm(report):
 @pytest.fixture(scope="module")
 def random_verifier(tmp_path_factory) -> Path:
     """A random-init verifier whose attention vLLM's CPU backend supports (head_dim 32; the conftest one has 16)."""
-    from conftest import save_tiny_llama
+    from helpers import save_tiny_llama
 
     return save_tiny_llama(tmp_path_factory.mktemp("random") / "verifier", num_attention_heads=2, num_key_value_heads=1)
 

@@ -10,7 +10,7 @@ from text every Python install carries, the docstrings of the standard library:
     train_tiny_llama()            ->  LlamaForCausalLM (4 layers, hidden 256, untied lm_head), saved in bf16
     write_model_card()            ->  README.md beside the weights
 
-`scripts/build_tiny_verifier.py` runs all of it; nothing here imports Prefect.
+`tools/build_tiny_verifier.py` runs all of it; nothing here imports Prefect.
 
 The split is by TOP-LEVEL module (``email.utils`` goes wherever ``email`` goes), chosen by a hash of the name, so
 no docstring of an evaluation module, nor of its sibling submodules, is ever seen in training. Docstrings are
@@ -881,7 +881,7 @@ def build_tiny_verifier(
     model_dir: Path = DEFAULT_MODEL_DIR,
     settings: TrainSettings | None = None,
     train_model: bool = True,
-    command: str = "python scripts/build_tiny_verifier.py",
+    command: str = "python tools/build_tiny_verifier.py",
     log=print,
 ) -> dict:
     """Rebuild data, tokenizer and (unless `train_model` is False) the model and its card; returns a summary."""
