@@ -386,17 +386,21 @@ def verifier_loads(extract: ExtractConfig, regenerate: RegenerateConfig | None, 
     regeneration's engine session (None: it does, eagle3.validate.baseline). vLLM restarts after an OOM and a
     cached stage's loads are not counted (they may not happen)."""
     regen_on = regenerate is not None and regenerate.enabled
-    loads = [VerifierLoad(stage="regenerate", engine="vLLM", what="generation")] if regen_on else []
-    loads.append(VerifierLoad(stage="extract-hidden-states", engine="vLLM" if extract.backend == "vllm" else
+    from eagle3.extract.stage import HiddenStates  # stage names: their artifacts' (late: extraction imports a lot)
+    from eagle3.regenerate.stage import RegeneratedData
+    from eagle3.validate.stage import ValidationReport
+
+    loads = [VerifierLoad(stage=RegeneratedData.stage, engine="vLLM", what="generation")] if regen_on else []
+    loads.append(VerifierLoad(stage=HiddenStates.stage, engine="vLLM" if extract.backend == "vllm" else
                               "transformers", what="hidden states"))
     problem = None
     if validate is not None:
         problem = reuse_problem(validate, regen_on, regen_dtype or "", regenerate.engine if regen_on else
                                 validate.engine)
-        loads += [VerifierLoad(stage="validate-draft", engine="vLLM", what=_SESSION_NAMES[letter])
+        loads += [VerifierLoad(stage=ValidationReport.stage, engine="vLLM", what=_SESSION_NAMES[letter])
                   for letter in validate.engine_sessions(baseline_shared=problem is None)]
         if validate.offline_reference:
-            loads.append(VerifierLoad(stage="validate-draft", engine="transformers", what="offline reference"))
+            loads.append(VerifierLoad(stage=ValidationReport.stage, engine="transformers", what="offline reference"))
     return loads, problem
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from types import SimpleNamespace
 from typing import Any
 
 from tasks.prefect_env import apply_prefect_env_defaults
@@ -102,18 +103,25 @@ def run_name() -> str:
     return "-".join(filter(None, [config.run_name, shard, key, started]))
 
 
-def _stages(config: PipelineConfig):
-    """The stage tasks with this run's result storage (cache records + artifacts) attached."""
+PREPARE_REGENERATED = "prepare-regenerated"  # the prepare task again, as a stage of its own (folder, key, UI name)
+
+
+def _stages(config: PipelineConfig) -> SimpleNamespace:
+    """The stage tasks with this run's result storage (cache records + artifacts) attached; each task is named
+    after its artifact's stage (tasks.common.stage_task)."""
     storage = result_storage_block(config.result_storage_path)
-    stages = {t.name: t.with_options(result_storage=storage) for t in (
-        prepare_data_task, plan_capacity_task, regenerate_task, extract_hidden_states_task, build_vocab_task,
-        train_draft_task, validate_draft_task)}
-    # the regenerated conversations go through the same prepare task, as a stage of its own (folder, key, UI name)
-    stages["prepare-regenerated"] = prepare_data_task.with_options(name="prepare-regenerated", result_storage=storage)
-    return stages
+
+    def stored(t, **options):
+        return t.with_options(result_storage=storage, **options)
+
+    return SimpleNamespace(
+        prepare=stored(prepare_data_task), plan=stored(plan_capacity_task), regenerate=stored(regenerate_task),
+        prepare_regenerated=stored(prepare_data_task, name=PREPARE_REGENERATED),
+        extract=stored(extract_hidden_states_task), vocab=stored(build_vocab_task), train=stored(train_draft_task),
+        validate=stored(validate_draft_task))
 
 
-def _front(config: PipelineConfig, s: dict, regenerated_only_if_cached: bool = False):
+def _front(config: PipelineConfig, s: SimpleNamespace, regenerated_only_if_cached: bool = False):
     """prepare -> capacity plan (-> regenerate -> prepare the regenerated conversations). With
     ``regenerated_only_if_cached`` the regeneration must already be done (a shard flow must not regenerate the
     whole dataset on every host: run the eagle3-prepare flow once first)."""
@@ -121,19 +129,19 @@ def _front(config: PipelineConfig, s: dict, regenerated_only_if_cached: bool = F
     sources = describe_sources_task(config.sources)
     prepare, chat = config.prepare_config(), config.chat_settings()
     tokenizer = describe_tokenizer_task(chat)
-    prepared = run_stage(s["prepare-data"], cfg=prepare, sources=sources, tokenizer=tokenizer, run_dir=config.run_dir)
+    prepared = run_stage(s.prepare, cfg=prepare, sources=sources, tokenizer=tokenizer, run_dir=config.run_dir)
     regen_cfg = config.regenerate_config()
-    plan = run_stage(s["plan-capacity"], cfg=config.capacity, extract=config.extract_config(), verifier=verifier,
+    plan = run_stage(s.plan, cfg=config.capacity, extract=config.extract_config(), verifier=verifier,
                      prepared=prepared, regenerate=regen_cfg, training=config.training_shape(),
                      validate=config.validate_config, run_dir=config.run_dir)
     regenerated = None
     if regen_cfg.enabled:
-        regenerated = run_stage(s["regenerate"], cfg=regen_cfg, prepare=prepare, verifier=verifier,
+        regenerated = run_stage(s.regenerate, cfg=regen_cfg, prepare=prepare, verifier=verifier,
                                 prepared=prepared, run_dir=config.run_dir, host=config.host,
                                 reuse_only=regenerated_only_if_cached, baseline_for=config.validate_config)
         prepare_regen = prepare.model_copy(update={"sources": [regenerated.conversations_path], "format": "openai",
                                                    "shuffle_seed": None, "max_samples": None})
-        prepared = run_stage(s["prepare-regenerated"], cfg=prepare_regen,
+        prepared = run_stage(s.prepare_regenerated, cfg=prepare_regen,
                              sources=describe_regenerated_task([regenerated.conversations_path]), tokenizer=tokenizer,
                              run_dir=config.run_dir)
     return verifier, prepared, plan, chat, tokenizer, regenerated
@@ -145,14 +153,14 @@ def eagle3_pipeline(config: PipelineConfig = DEFAULT_CONFIG, overrides: dict[str
     config = _config(config, overrides)
     s = _stages(config)
     verifier, prepared, plan, chat, tokenizer, regenerated = _front(config, s)
-    store = run_stage(s["extract-hidden-states"], cfg=config.extract_config(), verifier=verifier, prepared=prepared,
+    store = run_stage(s.extract, cfg=config.extract_config(), verifier=verifier, prepared=prepared,
                       plan=plan, run_dir=config.run_dir, host=config.host)
-    vocab = run_stage(s["build-vocab"], cfg=config.vocab, verifier=verifier, prepared=prepared,
+    vocab = run_stage(s.vocab, cfg=config.vocab, verifier=verifier, prepared=prepared,
                       run_dir=config.run_dir)
-    checkpoint = run_stage(s["train-draft"], cfg=config.train_config(), store=store, vocab=vocab,
+    checkpoint = run_stage(s.train, cfg=config.train_config(), store=store, vocab=vocab,
                            run_dir=config.run_dir, host=config.host, placement=config.placement)
     prompts = describe_prompts_task([resolve_path(config.validate_config.prompts_path)])
-    report = run_stage(s["validate-draft"], cfg=config.validate_config, checkpoint=checkpoint, prompts=prompts,
+    report = run_stage(s.validate, cfg=config.validate_config, checkpoint=checkpoint, prompts=prompts,
                        chat=chat, tokenizer=tokenizer, regenerated=regenerated, run_dir=config.run_dir,
                        host=config.host)
     summary = {"run_dir": config.run_dir, "checkpoint": checkpoint.checkpoint_dir, "report": report.report_md,
@@ -178,7 +186,7 @@ def eagle3_extract(config: PipelineConfig = DEFAULT_CONFIG, shard_start: int = 0
     s = _stages(config)
     verifier, prepared, plan, *_ = _front(config, s, regenerated_only_if_cached=True)
     extract = config.extract_config().model_copy(update={"shard_start": shard_start, "shard_end": shard_end})
-    store = run_stage(s["extract-hidden-states"], cfg=extract, verifier=verifier, prepared=prepared, plan=plan,
+    store = run_stage(s.extract, cfg=extract, verifier=verifier, prepared=prepared, plan=plan,
                       run_dir=config.run_dir, host=config.host)
     return store.model_dump(mode="json")
 
@@ -200,13 +208,7 @@ def eagle3_train_validate(config: PipelineConfig = DEFAULT_CONFIG, overrides: di
     return eagle3_pipeline.fn(config, overrides)
 
 
-def node_run_name() -> str:
-    from prefect.runtime import flow_run
-
-    return f"train-node{flow_run.parameters['node_rank']}"
-
-
-@flow(name="eagle3-train-node", flow_run_name=node_run_name)
+@flow(name="eagle3-train-node")  # its run keeps the name the coordinator gave it: <pipeline run>-node<rank>
 def eagle3_train_node(cfg: TrainConfig, store: HiddenStates, vocab: VocabMapping, out_dir: str, node_rank: int,
                       host: HostConfig | None = None, address: str | None = None) -> dict:
     """One node of a multi-node training (train.nodes > 1), on the host whose work queue it was placed on. The train

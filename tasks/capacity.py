@@ -15,7 +15,7 @@ from tasks import artifacts
 from tasks.common import stage_dir, stage_task
 
 
-@stage_task("plan-capacity")
+@stage_task(CapacityPlan)
 def plan_capacity_task(cfg: CapacityConfig, extract: ExtractConfig, verifier: VerifierIdentity,
                        prepared: PreparedData, run_dir: str, regenerate: RegenerateConfig | None = None,
                        training: TrainingShape | None = None, validate: ValidateConfig | None = None) -> CapacityPlan:
@@ -24,7 +24,7 @@ def plan_capacity_task(cfg: CapacityConfig, extract: ExtractConfig, verifier: Ve
     Raises CapacityError when the store would not fit at ``run_dir`` with the margin (cfg.on_insufficient="fail"),
     or when vLLM here cannot serve the ``draft`` kind beside the verifier.
     """
-    out_dir = stage_dir(run_dir, "plan-capacity")
+    out_dir = stage_dir(run_dir)
     plan = plan_capacity(cfg, extract, verifier, prepared, run_dir, out_dir, regenerate, training, validate)
     artifacts.markdown("capacity-plan", plan_markdown(plan),
                        description="Hidden-state store size, free space and time estimate")

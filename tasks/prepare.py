@@ -8,11 +8,11 @@ from tasks import artifacts
 from tasks.common import stage_dir, stage_task
 
 
-@stage_task("prepare-data")
+@stage_task(PreparedData)
 def prepare_data_task(cfg: PrepareConfig, sources: DataSources, tokenizer: DataSources,
                       run_dir: str) -> PreparedData:
     """-> PreparedData. ``sources`` and ``tokenizer`` (their content fingerprints) key the cache, not their paths."""
-    out_dir = stage_dir(run_dir, "prepare-data")
+    out_dir = stage_dir(run_dir)
     prepared = prepare_data(PrepareConfig.model_validate(cfg), out_dir)
     stats = prepared.stats
     artifacts.table("dataset-stats", [

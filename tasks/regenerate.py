@@ -18,7 +18,7 @@ from tasks import artifacts
 from tasks.common import attempt_batch_scale, gpu_guard, stage_dir, stage_task
 
 
-@stage_task("regenerate", oom_retries=2)
+@stage_task(RegeneratedData, oom_retries=2)
 def regenerate_task(cfg: RegenerateConfig, prepare: PrepareConfig, verifier: VerifierIdentity,
                     prepared: PreparedData, run_dir: str, host: HostConfig | None = None,
                     reuse_only: bool = False, baseline_for: ValidateConfig | None = None) -> RegeneratedData:
@@ -28,7 +28,7 @@ def regenerate_task(cfg: RegenerateConfig, prepare: PrepareConfig, verifier: Ver
     shards on several hosts). ``baseline_for`` (not part of the key): the run's validation settings, whose
     verifier-alone baseline the same engine session generates when the engines match. An OOM retry runs at half
     the batch of rows."""
-    out_dir = stage_dir(run_dir, "regenerate")
+    out_dir = stage_dir(run_dir)
     if reuse_only:
         raise RuntimeError(f"the regenerated conversations of this configuration are not there yet ({out_dir}): run "
                            f"the eagle3-prepare flow (deployment kimi-k2.5-prepare) once before the extraction shards, "

@@ -28,12 +28,12 @@ from tasks.logs import logs_from_all_threads
 from tasks.nodes import train_on_nodes
 
 
-@stage_task("train-draft", oom_retries=2)
+@stage_task(DraftCheckpoint, oom_retries=2)
 def train_draft_task(cfg: TrainConfig, store: HiddenStates, vocab: VocabMapping, run_dir: str,
                      host: HostConfig | None = None, placement: NodePlacement | None = None) -> DraftCheckpoint:
     """-> DraftCheckpoint: the best epoch's checkpoint + the sha256 of its weights, metrics and curves."""
     cfg = TrainConfig.model_validate(cfg)
-    out_dir = stage_dir(run_dir, "train-draft")
+    out_dir = stage_dir(run_dir)
     cfg = cfg.with_smaller_micro_batches(attempt_batch_scale())  # an OOM retry: same run, smaller micro-batches
     if cfg.nodes > 1:
         r = train_on_nodes(cfg, store, vocab, out_dir, NodePlacement.model_validate(placement or {}), host)

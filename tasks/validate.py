@@ -82,7 +82,7 @@ def validate_checkpoint_task(cfg: ValidateConfig, draft_dir: str, verifier_path:
     return report
 
 
-@stage_task("validate-draft")
+@stage_task(ValidationReport)
 def validate_draft_task(cfg: ValidateConfig, checkpoint: DraftCheckpoint, prompts: DataSources, run_dir: str,
                         chat: ChatSettings | None = None, tokenizer: DataSources | None = None,
                         regenerated: RegeneratedData | None = None, host: HostConfig | None = None) -> ValidationReport:
@@ -90,7 +90,7 @@ def validate_draft_task(cfg: ValidateConfig, checkpoint: DraftCheckpoint, prompt
     content keys the cache, so edited prompts are re-validated), rendered with the chat settings prepare used
     (``chat``; ``tokenizer`` is their content identity, for the cache key); ``regenerated``: the regeneration
     whose engine session may have generated the verifier-alone baseline (eagle3.validate.baseline)."""
-    out_dir = stage_dir(run_dir, "validate-draft")
+    out_dir = stage_dir(run_dir)
     report = validate_draft(ValidateConfig.model_validate(cfg), checkpoint, out_dir,
                             prompts_path=prompts.sources[0], chat=chat, guard=gpu_guard(host),
                             baselines_dir=regenerated.baselines_dir if regenerated is not None else None)

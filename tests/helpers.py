@@ -142,6 +142,19 @@ KIMI_SHAPED_SMALL = dict(hidden_size=64, intermediate_size=128, moe_intermediate
 
 
 
+
+def reference_draft_tail(draft, residual: torch.Tensor, rms) -> tuple[torch.Tensor, torch.Tensor]:
+    """The part every EAGLE-3 draft layer shares after its attention, written out from the weights (the tests'
+    independent references of vLLM's layers): post-attention norm, SiLU-gated MLP, residual, final norm, lm_head.
+    ``residual`` [T, H]: the stream after attention; ``rms(weight, x)``: the reference's RMSNorm. Returns
+    (pre-norm output [T, H], draft logits [T, draft vocab])."""
+    layer = draft.midlayer
+    m = rms(layer.post_attention_layernorm.weight, residual)
+    mlp = layer.mlp
+    y = (torch.nn.functional.silu(m @ mlp.gate_proj.weight.T) * (m @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
+    prenorm = y + residual
+    return prenorm, rms(draft.norm.weight, prenorm) @ draft.lm_head.weight.T
+
 # ---------------------------------------------------------------- training stores and drafts
 
 # training settings of the tiny mechanics tests (lr, batch in packed sequences, tokens, TTT steps, cpu)

@@ -52,7 +52,7 @@ from eagle3.store import (
     store_meta,
 )
 from eagle3.support.artifacts import Artifact
-from eagle3.support.dtypes import torch_dtype
+from eagle3.support.dtypes import resolve_device, torch_dtype
 from eagle3.support.gpu import (
     DeviceGuard,
     OutOfMemoryAfterRetries,
@@ -156,7 +156,7 @@ def _gpu_ids(cfg: ExtractConfig) -> list[int]:
     """CUDA device indices this job will use (empty on CPU): the guard and the preflight cover exactly these."""
     if cfg.backend == "vllm":
         return cuda_device_ids(count=cfg.engine.tensor_parallel_size)  # vLLM takes the first tensor_parallel_size GPUs
-    return cuda_device_ids(hf_backend.resolve_device(cfg.device), cfg.device_map)
+    return cuda_device_ids(str(resolve_device(cfg.device)), cfg.device_map)
 
 
 def _shard(cfg: ExtractConfig, n: int) -> tuple[int, int]:
@@ -271,7 +271,7 @@ def _run_transformers(
     oom_injector: OomInjector | None,
     stats: dict[str, Any],
 ) -> None:
-    device = hf_backend.resolve_device(cfg.device)
+    device = str(resolve_device(cfg.device))
     dtype = torch_dtype(compute_dtype)
     t0 = time.monotonic()
     model = hf_backend.load_hf_model(spec, dtype, device, cfg.device_map, cfg.engine.trust_remote_code)

@@ -238,8 +238,8 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
 
     from eagle3.support.dtypes import device_type
     from eagle3.train.config import TrainConfig
-    from eagle3.train.stage import run_local
-    from eagle3.train.trainer import Dist
+    from eagle3.train.dist import Dist
+    from eagle3.train.trainer import run_local
 
     cfg = TrainConfig.model_validate(job["cfg"])
     serves_store = int(os.environ["RANK"]) == 0  # torch's numbering, before ours

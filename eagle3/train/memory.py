@@ -57,6 +57,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from eagle3.draft.config import DraftConfig
+from eagle3.support.dtypes import device_type
 from eagle3.train.config import TrainConfig, TrainError
 
 log = logging.getLogger("eagle3")
@@ -205,7 +206,7 @@ def plan_training_memory(draft: DraftConfig, cfg: TrainConfig, world: int | None
     ``micro_rows``: rows per micro-batch (default batch_size / (world * grad_accum_steps))."""
     world = world or cfg.world_size
     if device is None:
-        device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+        device = device_type(cfg.device)
     cuda = device == "cuda"
     c = 2 if cuda else F32  # bf16 autocast on CUDA, float32 on CPU (eagle3.train.trainer)
     sb = batch_dtype_bytes or c

@@ -12,12 +12,10 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
-import torch
 from pydantic import Field
 
 from eagle3.draft import checkpoint as ckpt
@@ -26,10 +24,10 @@ from eagle3.support.artifacts import Artifact, file_problem
 from eagle3.support.dtypes import device_type
 from eagle3.support.gpu import DeviceGuard, cuda_device_ids, file_lock_guard
 from eagle3.support.io import sha256_json
-from eagle3.support.progress import fmt_duration
 from eagle3.support.verifier import VerifierIdentity, describe_verifier
 from eagle3.train.config import TrainConfig, TrainError
-from eagle3.train.trainer import Dist, Trainer
+from eagle3.train.dist import Dist
+from eagle3.train.trainer import run_local
 from eagle3.vocab import VocabMapping
 
 log = logging.getLogger("eagle3")
@@ -85,27 +83,6 @@ class DraftCheckpoint(Artifact):
         checks = [file_problem(folder / ckpt.WEIGHTS, size=self.weights_bytes),
                   file_problem(folder / ckpt.CONFIG, sha256=self.config_sha256)]
         return [p for p in checks if p]
-
-
-def run_local(cfg: TrainConfig, store_dir: str | Path, vocab_path: str | Path, verifier_path: str | Path,
-              out_dir: str | Path, resume: bool = True, dist: Dist | None = None,
-              on_progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
-    """Run the trainer in this process (one rank of a multi-process job when ``dist`` says so); returns the
-    trainer's outcome (``Trainer._result``) with ``wall_s``."""
-    torch.manual_seed(cfg.seed)
-    trainer = Trainer(cfg, store_dir, vocab_path, verifier_path, out_dir, resume=resume, dist=dist,
-                      on_progress=on_progress)
-    try:
-        trainer.setup()
-        start = time.monotonic()
-        result = trainer.train()
-        result["wall_s"] = round(time.monotonic() - start, 3)
-        if trainer.dist.main:
-            log.info("[train] done in %s: best %s (sim accept %s)", fmt_duration(result["wall_s"]),
-                     result["checkpoint_dir"], result["best_sim_accept_len"])
-        return result
-    finally:
-        trainer.cleanup()
 
 
 def train_draft(cfg: TrainConfig, store: HiddenStates | str | Path, vocab: VocabMapping | str | Path,
