@@ -2,11 +2,12 @@
 # Download the wheels bench/gpu_smoke.sh installs on the lent GPU machine into .gpu-wheels/ (git-ignored; name it in
 # the device tool's `carry`). That machine reaches no registry; its image already holds torch 2.11, transformers,
 # safetensors, tokenizers, pyarrow, fsspec, pandas, xxhash, huggingface-hub, psutil, numpy, matplotlib, jinja2,
-# pyyaml, nvidia-ml-py (the device README's KINDS.md list). What the library imports beyond that:
+# pyyaml, nvidia-ml-py, pytest (its package list, as last read). What the library imports beyond that:
 #   pydantic (+ pydantic-core, annotated-types, typing-inspection, typing-extensions >= 4.16 that pydantic needs)
 #   datasets (load_from_disk / save_to_disk of the prepared data; + dill, multiprocess)
 # Not carried: pyarrow (55 MB for cp312: with the ~19 MB tracked tree it would pass the 64 MiB limit; the image's
-# own is used), prefect and vllm (the smoke calls the library, never tasks/ or the vLLM backend), gguf.
+# own is used), prefect and vllm (the GPU tests call the library; tests/conftest.py imports tasks/prefect_env.py,
+# which imports no Prefect; tests marked `vllm` skip without a vLLM interpreter), gguf.
 # Versions = the pipeline venv's (.venv), so the GPU run exercises what the tests here exercise. datasets 5.2 asks for
 # pyarrow >= 24; for an image with pyarrow 21-23 datasets 5.0.0 (pyarrow >= 21) is downloaded too and gpu_smoke.sh
 # picks it. Compiled wheels come for CPython 3.10-3.13 (the image's python was 3.12.3 when last seen).

@@ -7,17 +7,26 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
 BUNDLED_VERIFIER = REPO / "models" / "tiny-chat-verifier"
 BUNDLED_DATA = REPO / "data" / "stdlib-chat"
+
+# GPU tests (marker ``gpu``, each module also marks itself ``cuda_or_dry_run``): they run on CUDA, skip without it, and
+# EAGLE3_GPU_DRY_RUN=1 runs the same code on the CPU (float32, small sizes, no CUDA figures) so that it cannot rot
+# between GPU runs (bench/gpu_smoke.sh is the GPU run)
+GPU_DRY_RUN = os.environ.get("EAGLE3_GPU_DRY_RUN") == "1"
+cuda_or_dry_run = pytest.mark.skipif(not (torch.cuda.is_available() or GPU_DRY_RUN),
+                                     reason="needs CUDA (EAGLE3_GPU_DRY_RUN=1: the same code on the CPU)")
 
 TINY_LLAMA = dict(  # noqa: C408 - reads like the config it is
     vocab_size=8192,

@@ -16,13 +16,12 @@ same code on the CPU here (float32, no CUDA figures) so that it cannot rot betwe
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import BUNDLED_DATA
+from helpers import BUNDLED_DATA, cuda_or_dry_run
 
 from eagle3.config import load_config
 from eagle3.draft.config import DraftArchitecture
@@ -36,9 +35,8 @@ from eagle3.validate.stage import validate_draft
 from eagle3.vocab import VocabConfig, build_vocab
 from tools.kimi_mini import KIMI_MINI_DIR
 
-DRY = os.environ.get("EAGLE3_GPU_DRY_RUN") == "1"
 CUDA = torch.cuda.is_available()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (CUDA or DRY), reason="needs CUDA (EAGLE3_GPU_DRY_RUN=1: CPU)")]
+pytestmark = [pytest.mark.gpu, cuda_or_dry_run]
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPE = "bfloat16" if CUDA else "float32"
 

@@ -1,4 +1,8 @@
-"""The host GPU lock (fcntl.flock), OOM classification and the CUDA preflight."""
+"""The host GPU lock (fcntl.flock), OOM classification and the CUDA preflight.
+
+The two tests marked ``gpu`` run on CUDA (``EAGLE3_GPU_DRY_RUN=1``: the lock test on the CPU, with host-cpu's lock):
+the preflight passes the idle GPU and refuses it with 30% of its memory held; the lock of the visible GPU.
+"""
 
 from __future__ import annotations
 
@@ -12,11 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import cuda_or_dry_run
 
 from eagle3.support.gpu import (
     GpuBusyError,
     LockSettings,
     OutOfMemoryAfterRetries,
+    cuda_device_ids,
     cuda_preflight,
     device_lock,
     file_lock_guard,
@@ -129,17 +135,42 @@ def test_is_oom_error_classification():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_preflight_gpu_reports_and_refuses_busy_gpu():
-    report = cuda_preflight([0], min_free_fraction=0.0)
-    free, total = report[0]
+def test_cuda_preflight_passes_an_idle_gpu_and_refuses_a_busy_one():
+    torch.cuda.empty_cache()  # what earlier tests of this process left cached is in nobody's use
+    free, total = cuda_preflight([0], min_free_fraction=0.8)[0]  # the idle GPU passes
     assert 0 < free <= total
-    hog = torch.empty(int(free * 0.6), dtype=torch.uint8, device="cuda:0")
+    print(f"[gpu] preflight: cuda:0 has {free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
+    hog = torch.empty(int(0.3 * total), dtype=torch.uint8, device="cuda:0")  # 30% of the card held by this process
     try:
-        with pytest.raises(GpuBusyError, match="cuda:0 has .* GiB free"):
-            cuda_preflight([0], min_free_fraction=0.9)
+        with pytest.raises(GpuBusyError, match="cuda:0 has .* GiB free") as e:
+            cuda_preflight([0], min_free_fraction=0.8)
+        print(f"[gpu] preflight refuses: {' | '.join(str(e.value).splitlines()[:3])[:400]}")
     finally:
         del hog
         torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@cuda_or_dry_run
+def test_device_lock_of_the_visible_gpu_refuses_a_second_process_until_released():
+    """The stages' guard (file_lock_guard) on the device ids a CUDA stage locks: a second process is refused naming
+    this one, and gets the lock once it is released. The dry run locks host-cpu."""
+    ids = cuda_device_ids("cuda" if torch.cuda.is_available() else "cpu")
+    names = lock_names(ids)
+    if torch.cuda.is_available():
+        first_visible = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip()
+        assert ids == [0] and names == [f"gpu-{first_visible}"], f"{ids}, {names}: one lock named after its GPU"
+    probe = ("import sys; from eagle3.support.gpu import device_lock, GpuBusyError\n"
+             "try:\n    with device_lock(sys.argv[1:], wait_seconds=0): print('acquired')\n"
+             "except GpuBusyError as e: print('busy:', e)")
+    with file_lock_guard()(ids):
+        held = subprocess.run([sys.executable, "-c", probe, *names], cwd=REPO, capture_output=True, text=True,
+                              timeout=120, check=False)
+    after = subprocess.run([sys.executable, "-c", probe, *names], cwd=REPO, capture_output=True, text=True,
+                           timeout=120, check=False)
+    print(f"[gpu] lock {names}: while held: {held.stdout.strip()[:200]}; after: {after.stdout.strip()}")
+    assert held.stdout.startswith("busy:") and f"PID {os.getpid()}" in held.stdout, held.stdout + held.stderr
+    assert after.stdout.strip() == "acquired", after.stdout + after.stderr
 
 
 def test_second_extraction_waits_then_resumes_what_the_first_wrote(tiny_llama_verifier, tmp_path):

@@ -115,7 +115,7 @@ def test_two_gloo_processes_equal_one(random_store, tiny_llama_verifier, tmp_pat
 
 @pytest.mark.slow
 def test_one_launched_worker_wraps_fsdp_and_equals_the_plain_process(random_store, tiny_llama_verifier, tmp_path):
-    """A launched worker wraps the draft even in a world of one (how bench/gpu_smoke.sh runs DDP / FSDP on one GPU);
+    """A launched worker wraps the draft even in a world of one (how tests/test_gpu_smoke.py runs DDP / FSDP on one GPU);
     the plain single process does not wrap, and both compute the same losses."""
     from eagle3.train.launch import launch
 

@@ -201,7 +201,7 @@ class Trainer:
     def _wrap(self, module: nn.Module) -> nn.Module:
         import torch.distributed as dist
 
-        # every launched worker wraps, a world of one too (the GPU smoke test runs DDP / FSDP that way on one GPU);
+        # every launched worker wraps, a world of one too (tests/test_gpu_smoke.py runs DDP / FSDP that way on one GPU);
         # only a plain single process (no process group) trains the bare module
         if not (dist.is_available() and dist.is_initialized()):
             return module
