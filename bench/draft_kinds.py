@@ -70,14 +70,14 @@ def main() -> None:
     llama = train_draft(train, store, vocab, run_dir / "train-llama-draft", verifier=config.verifier)
     print(f"llama draft trained: {time.perf_counter() - t0:.0f} s, load {_load()}", flush=True)
 
-    prompts = resolve_path(config.validate_.prompts_path)
-    v = config.validate_
+    v = config.validate_config
+    prompts = config.chat_settings().held_out_prompt_ids(resolve_path(v.prompts_path), args.prompts)
     rows = {}
     for label, ckpt, metrics in (("mla", mla_ckpt, mla_ckpt.parent.parent / "metrics.jsonl"),
                                  ("llama", Path(llama.checkpoint_dir), Path(llama.metrics_path))):
         cfg = read_config(ckpt)
-        off = offline_acceptance(config.verifier, ckpt, prompts, args.prompts, v.num_speculative_tokens,
-                                 v.max_new_tokens, v.trust_remote_code)
+        off = offline_acceptance(config.verifier, ckpt, prompts, v.num_speculative_tokens,
+                                 v.max_new_tokens, v.engine.trust_remote_code)
         rows[label] = {"trainable parameters (M)": sum(parameter_counts(cfg)[0].values()) / 1e6,
                        "attention parameters (M)": cfg.attention_params() / 1e6,
                        "training tok/s": _train_rate(metrics),

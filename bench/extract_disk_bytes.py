@@ -17,7 +17,7 @@ from pathlib import Path
 from _extract_common import quiet, save_dataset, save_llama
 
 from eagle3.extract.stage import extract_hidden_states
-from eagle3.extract.store import HiddenStateStore
+from eagle3.store import HiddenStateStore
 
 
 def main() -> None:

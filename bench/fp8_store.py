@@ -34,10 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _extract_common import quiet
 
 from eagle3.extract.stage import extract_hidden_states
-from eagle3.extract.store import sample_files
 from eagle3.prepare import prepare_data
+from eagle3.store import sample_files
 from eagle3.support.artifacts import Artifact
-from eagle3.support.gguf_convert import SMOLLM2_DIR
 from eagle3.support.paths import REPO_ROOT
 from eagle3.support.verifier import VerifierSpec
 from eagle3.train.config import TrainConfig
@@ -45,6 +44,7 @@ from eagle3.train.stage import DraftCheckpoint, train_draft
 from eagle3.validate.config import ValidateConfig
 from eagle3.validate.stage import ValidationReport, validate_draft
 from eagle3.vocab import VocabConfig, build_vocab
+from tools.gguf_convert import SMOLLM2_DIR
 
 DTYPES = ("bfloat16", "float8_e4m3fn")
 AUX = [2, 15, 27]  # vLLM convention: residual streams entering layers 2, 15, 27 (vLLM's default for 30 layers)

@@ -155,7 +155,7 @@ def check_states(sec: Section, verifier: Path, store_dir: Path, n: int) -> float
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eagle3.extract.store import HiddenStateStore
+    from eagle3.store import HiddenStateStore
 
     store = HiddenStateStore(store_dir)
     dtype = getattr(torch, sec.dtype)
@@ -453,7 +453,7 @@ def _pinned_check(sec: Section, store_dir: Path, cfg, vocab_size: int) -> None:
     batch's aux states pinned vs pageable."""
     import torch
 
-    from eagle3.extract.store import HiddenStateStore
+    from eagle3.store import HiddenStateStore
     from eagle3.train.data import BatchPlan, StepLoader, pack_samples
 
     if not sec.gpu:
@@ -589,7 +589,7 @@ def s_fp8(sec: Section) -> None:
     (same settings as train_tiny): its losses stay near the bf16 store's (FP8 rounding: ~2% per state)."""
     import torch
 
-    from eagle3.extract.store import HiddenStateStore, sample_files
+    from eagle3.store import HiddenStateStore, sample_files
     from eagle3.train.data import BatchPlan, StepLoader, pack_samples
 
     z, root = sec.size, sec.work / "tiny"
@@ -656,7 +656,7 @@ def _memory_plan(sec: Section, cfg, store_dir: Path, vocab: Path, verifier: Path
         sec.fig(plan="n/a")
         return
     from eagle3.draft.config import DraftConfig
-    from eagle3.extract.store import HiddenStateStore
+    from eagle3.store import HiddenStateStore
     from eagle3.support.verifier import VerifierSpec
     from eagle3.vocab import load_mapping
 

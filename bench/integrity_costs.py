@@ -36,7 +36,7 @@ def _median(fn, repeat: int) -> float:
 
 
 def reuse_check(tmp: Path, n: int) -> None:
-    from eagle3.extract.store import (
+    from eagle3.store import (
         MANIFEST,
         HiddenStateStore,
         append_manifest_entries,
@@ -73,7 +73,8 @@ def reuse_check(tmp: Path, n: int) -> None:
 
 
 def first_read_hash(tmp: Path, tokens: int, hidden: int) -> float:
-    from eagle3.extract.store import HiddenStateStore, init_store, write_sample
+    from eagle3.extract.writer import write_sample
+    from eagle3.store import HiddenStateStore, init_store
     from eagle3.support.io import sha256_file
 
     store_dir = tmp / "big"

@@ -16,7 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from eagle3.prepare import ChatEncoder, PrepareConfig, iter_rows, load_chat_tokenizer, normalize_row, prepare_data
+from eagle3.chat.sources import iter_rows, normalize_row
+from eagle3.prepare import PrepareConfig, prepare_data
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,15 +32,14 @@ def main() -> None:
 
     cfg = PrepareConfig(sources=[args.data], tokenizer_path=args.tokenizer, mask_method=args.mask_method,
                         max_seq_len=1 << 20)
-    tokenizer, template = load_chat_tokenizer(cfg.tokenizer_path)
-    encoder = ChatEncoder(tokenizer, template, cfg.mask_method)
+    encoder = cfg.encoder()
     texts = [encoder.render(normalize_row(row)) for _, row in iter_rows(cfg.sources)]
 
     bare_s, prep_s, bare_tokens, prep_tokens = [], [], 0, 0
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeat):
             t = time.perf_counter()
-            ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+            ids = encoder.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
             bare_s.append(time.perf_counter() - t)
             bare_tokens = sum(map(len, ids))
 

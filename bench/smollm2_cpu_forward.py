@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from eagle3.support.gguf_convert import SMOLLM2_DIR
+from tools.gguf_convert import SMOLLM2_DIR
 
 
 def cpu_signals() -> dict[str, object]:

@@ -34,8 +34,9 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eagle3.support.gguf_convert import SMOLLM2_DIR
-    from eagle3.validate.vllm_check import load_tokenizer, prompt_token_ids, read_prompt_messages
+    from eagle3.chat.encoder import ChatSettings
+    from eagle3.validate.vllm_check import load_tokenizer
+    from tools.gguf_convert import SMOLLM2_DIR
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="+", default=["16x128", "16x256", "64x128", "64x256"],
@@ -45,7 +46,7 @@ def main() -> None:
     cases = [tuple(map(int, c.split("x"))) for c in ns.cases]
     n_max = max(n for n, _ in cases)
     tok = load_tokenizer(SMOLLM2_DIR)
-    prompts = prompt_token_ids(tok, read_prompt_messages(TRAIN, n_max))
+    prompts = ChatSettings(tokenizer_path=str(SMOLLM2_DIR)).held_out_prompt_ids(TRAIN, n_max)
     with TRAIN.open() as f:
         original = [len(tok(next(m["content"] for m in json.loads(line)["messages"] if m["role"] == "assistant"))
                         ["input_ids"]) for line, _ in zip(f, range(n_max))]

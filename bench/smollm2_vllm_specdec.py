@@ -38,9 +38,9 @@ def build_untrained_draft(out: Path) -> Path:
     from eagle3.draft.checkpoint import save_draft
     from eagle3.draft.config import DraftConfig
     from eagle3.draft.model import Eagle3Draft
-    from eagle3.support.gguf_convert import SMOLLM2_DIR
     from eagle3.support.verifier import VerifierSpec
     from eagle3.vocab import build_vocab_mapping
+    from tools.gguf_convert import SMOLLM2_DIR
 
     spec = VerifierSpec.from_path(SMOLLM2_DIR)
     tok = AutoTokenizer.from_pretrained(SMOLLM2_DIR)
@@ -62,17 +62,12 @@ def vllm_side(ns: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eagle3.support.gguf_convert import SMOLLM2_DIR
-    from eagle3.validate.vllm_check import (
-        acceptance_from_metrics,
-        load_tokenizer,
-        prompt_token_ids,
-        read_prompt_messages,
-    )
+    from eagle3.chat.encoder import ChatSettings
+    from eagle3.validate.vllm_check import acceptance_from_metrics
+    from tools.gguf_convert import SMOLLM2_DIR
 
-    tok = load_tokenizer(SMOLLM2_DIR)
     prompts = [TokensPrompt(prompt_token_ids=p)
-               for p in prompt_token_ids(tok, read_prompt_messages(PROMPTS, ns.prompts))]
+               for p in ChatSettings(tokenizer_path=str(SMOLLM2_DIR)).held_out_prompt_ids(PROMPTS, ns.prompts)]
     common = {"model": str(SMOLLM2_DIR), "dtype": "float32", "enforce_eager": True, "max_model_len": 2048,
               "seed": 0, "distributed_executor_backend": "uni", "disable_log_stats": False}
     spec = {"method": "eagle3", "model": ns.draft, "num_speculative_tokens": ns.k}

@@ -31,7 +31,7 @@ from _extract_common import quiet, save_dataset, save_llama
 
 from eagle3.draft.config import DraftConfig
 from eagle3.extract.stage import extract_hidden_states
-from eagle3.extract.store import HiddenStateStore
+from eagle3.store import HiddenStateStore
 from eagle3.support.verifier import VerifierSpec
 from eagle3.train.config import TrainConfig
 from eagle3.train.stage import train_draft

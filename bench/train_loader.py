@@ -63,7 +63,7 @@ def drop_cache(files: list[Path]) -> None:
 
 
 def sample_files(store: Path) -> list[Path]:
-    from eagle3.extract.store import sample_files as store_sample_files  # torch is imported where it is needed
+    from eagle3.store import sample_files as store_sample_files  # torch is imported where it is needed
 
     return store_sample_files(store)
 
@@ -84,7 +84,8 @@ def write_stores(root: Path, size_gb: float, seed: int) -> dict[str, Path]:
     """bf16 and FP8 stores of the same synthetic samples, ``size_gb`` GB of bf16 sample files."""
     import torch
 
-    from eagle3.extract.store import init_store, write_sample
+    from eagle3.extract.writer import write_sample
+    from eagle3.store import init_store
 
     rng = random.Random(seed)
     lengths, total = [], 0
@@ -114,7 +115,7 @@ def loader_child(ns: argparse.Namespace) -> None:
     sample, the second reads verified ones; cache dropped before each); JSON result on stdout."""
     import torch
 
-    from eagle3.extract.store import HiddenStateStore
+    from eagle3.store import HiddenStateStore
     from eagle3.train.data import BatchPlan, StepLoader, pack_samples
 
     store = HiddenStateStore(ns.store)
@@ -209,7 +210,7 @@ def main() -> None:
         results = []
         for size in ns.sizes_gb:
             for dtype, store in stores[size].items():
-                from eagle3.extract.store import HiddenStateStore
+                from eagle3.store import HiddenStateStore
 
                 files = sample_files(store)
                 tokens = HiddenStateStore(store).total_tokens

@@ -35,7 +35,8 @@ def _write_case(work: Path, spec, b: int, t: int, steps: int, store_dtype: str) 
     """A synthetic store of b * steps samples of exactly t tokens (the store's own writer) + its vocab mapping."""
     import torch
 
-    from eagle3.extract.store import init_store, write_sample
+    from eagle3.extract.writer import write_sample
+    from eagle3.store import init_store
     from eagle3.vocab import build_vocab_mapping, save_mapping
 
     samples = b * steps
@@ -61,12 +62,12 @@ def child(ns: argparse.Namespace) -> None:
     import psutil
 
     from eagle3.draft.config import DraftConfig
-    from eagle3.extract.store import HiddenStateStore
-    from eagle3.support.gguf_convert import SMOLLM2_DIR
+    from eagle3.store import HiddenStateStore
     from eagle3.support.verifier import VerifierSpec
     from eagle3.train.config import TrainConfig
     from eagle3.train.memory import plan_training_memory
     from eagle3.train.stage import train_draft
+    from tools.gguf_convert import SMOLLM2_DIR
 
     b, t, k = ns.case
     work = Path(ns.work)
@@ -106,17 +107,19 @@ def kimi_plans() -> None:
         (Path(tmp) / "config.json").write_text(json.dumps({"architectures": ["KimiK25ForConditionalGeneration"],
                                                            "model_type": "kimi_k25", "text_config": text}))
         spec = VerifierSpec.from_path(tmp)
-        pre = load_config("kimi-k2.5")
-        cfg = pre.train_config()
-        draft = DraftConfig.build(spec, pre.vocab.draft_vocab_size, pre.extract.aux_layer_ids, cfg.draft)
-    print(f"\n== kimi-k2.5 preset: draft hidden {draft.hidden_size}, {draft.num_attention_heads} heads x "
-          f"{draft.head_dim} ({draft.num_key_value_heads} KV), MLP {draft.intermediate_size}, draft vocab "
-          f"{draft.draft_vocab_size}, vocab {draft.vocab_size}; batch_size {cfg.batch_size}, nproc {cfg.nproc}, "
-          f"grad_accum {cfg.grad_accum_steps}, max_seq_len {cfg.max_seq_len}, ttt_steps {cfg.ttt_steps} ==")
-    for parallel in ("ddp", "fsdp"):
-        plan = plan_training_memory(draft, cfg.model_copy(update={"parallel": parallel}), device="cuda",
-                                    batch_dtype_bytes=2)
-        print(plan.summary())
+        for preset in ("kimi-k2.5", "kimi-k2.5-2nodes"):  # one host of 8 GPUs; two hosts (the world doubles)
+            pre = load_config(preset)
+            cfg = pre.train_config()
+            draft = DraftConfig.build(spec, pre.vocab.draft_vocab_size, pre.extract.aux_layer_ids, cfg.draft)
+            print(f"\n== {preset} preset: draft hidden {draft.hidden_size}, {draft.num_attention_heads} heads x "
+                  f"{draft.head_dim} ({draft.num_key_value_heads} KV), MLP {draft.intermediate_size}, draft vocab "
+                  f"{draft.draft_vocab_size}, vocab {draft.vocab_size}; batch_size {cfg.batch_size}, nodes "
+                  f"{cfg.nodes} x nproc {cfg.nproc}, grad_accum {cfg.grad_accum_steps}, max_seq_len "
+                  f"{cfg.max_seq_len}, ttt_steps {cfg.ttt_steps} ==")
+            for parallel in ("ddp", "fsdp"):
+                plan = plan_training_memory(draft, cfg.model_copy(update={"parallel": parallel}), device="cuda",
+                                            batch_dtype_bytes=2)
+                print(plan.summary())
 
 
 def main() -> None:

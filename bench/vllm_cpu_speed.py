@@ -30,9 +30,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from eagle3.support.gguf_convert import SMOLLM2_DIR
+from eagle3.chat.encoder import ChatSettings
+from eagle3.engine.settings import EngineSettings
 from eagle3.support.paths import vllm_python, vllm_subprocess_env
 from eagle3.support.subproc import run_subprocess
+from tools.gguf_convert import SMOLLM2_DIR
 
 CPU_DEFAULTS = ("LD_PRELOAD", "OMP_NUM_THREADS", "KMP_BLOCKTIME", "KMP_AFFINITY", "KMP_TPAUSE")
 PROMPTS = REPO / "data" / "stdlib-chat" / "eval.openai.jsonl"
@@ -102,6 +104,7 @@ def main() -> None:
     ap.add_argument("--out", help="write every variant's result JSON here")
     ns = ap.parse_args()
     python = vllm_python()
+    prompts = ChatSettings(tokenizer_path=str(SMOLLM2_DIR)).held_out_prompt_ids(PROMPTS, ns.prompts)
     rows = []
     with tempfile.TemporaryDirectory(prefix="vllm-cpu-speed-") as td:
         if ns.draft:
@@ -115,15 +118,15 @@ def main() -> None:
         results = {}
         for name in ns.variants.split(","):
             out = Path(td) / f"{name}.json"
-            args = {"verifier": str(SMOLLM2_DIR), "drafts": [draft], "prompts_path": str(PROMPTS),
+            args = {"verifier": str(SMOLLM2_DIR), "drafts": [draft], "prompt_token_ids": prompts,
                     "num_prompts": ns.prompts, "max_new_tokens": ns.max_tokens, "num_speculative_tokens": ns.k,
-                    "tensor_parallel_size": 1, "dtype": "float32", "max_model_len": 2048, "enforce_eager": True,
-                    "seed": 0, "speed_repeats": ns.repeats, "speed_schedule": ns.schedule,
+                    "dtype": "float32", "max_model_len": 2048, "engine": EngineSettings().llm_kwargs(on_gpu=False),
+                    "seed": 0, "speed_repeats": ns.repeats, "schedule": ns.schedule,
                     "speed_concurrency": [int(c) for c in ns.concurrency.split(",")], "out": str(out),
                     **ENGINE_EXTRA.get(name, {})}
             (Path(td) / f"{name}.args.json").write_text(json.dumps(args))
             t = time.monotonic()
-            res = run_subprocess([python, "-m", "eagle3.validate.vllm_check", "--args-json",
+            res = run_subprocess([python, "-m", "eagle3.validate.vllm_check",
                                   str(Path(td) / f"{name}.args.json")], env=variant_env(name, python), cwd=REPO,
                                  log_file=Path(td) / f"{name}.log", log_prefix=f"[{name}] ")
             if res.returncode or not out.is_file():

@@ -1,5 +1,5 @@
 """Capacity planning before extraction: how many bytes the hidden-state store needs, whether the destination holds
-them with a margin, and roughly how long extraction takes.
+them with a margin, and roughly how long extraction and training take.
 
 Pipeline position: data -> **capacity** -> extract. Reads the verifier's ``config.json`` only (no weights; the
 weight byte count comes from the safetensors index or file sizes) and the per-sample token lengths of the prepared
@@ -16,6 +16,15 @@ Store bytes per sample of T tokens (docs/DESIGN.md, one safetensors file per sam
 Kimi-K2.5 (hidden 7168, aux [2, 30, 58] + final, bf16): 57,344 B/token of hidden states, 29,360,128 B for 512 tokens;
 float8_e4m3fn: 28,688 B/token (28,672 + 16 of scales), 0.5003 of bf16.
 Aux layer ids are in vLLM's convention (id k = residual stream ENTERING decoder layer k).
+
+Training time (``plan_training_time``), for E epochs over the training split S = N (1 - val_ratio) samples on
+W = nodes x nproc GPUs:
+
+    compute        E * S * training_gpu_seconds_per_sample / W
+    network        nodes > 1: every optimizer step all-reduces the float32 gradients across the hosts (inside a host
+                   NCCL runs over NVLink, counted in the compute figure): 2 (nodes - 1) / nodes * 4 * P bytes through
+                   each host's links (P trainable parameters), at internode_bytes_per_second, for
+                   E * ceil(S / batch_size) steps (at least: one sample per packed row; packing shares rows)
 """
 
 from __future__ import annotations
@@ -32,17 +41,20 @@ from typing import ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from eagle3.chat.dataset import PreparedDataset
 from eagle3.draft.config import DraftArchitecture, serving_pair_problem
 from eagle3.extract.config import ExtractConfig
-from eagle3.extract.store import SAMPLE_METADATA, TOKEN_TENSORS, is_scaled, sample_tensors
-from eagle3.prepare import PreparedData, load_prepared
+from eagle3.prepare import PreparedData
 from eagle3.regenerate.config import RegenerateConfig
+from eagle3.store import SAMPLE_METADATA, TOKEN_TENSORS, is_scaled, sample_tensors
 from eagle3.support.artifacts import Artifact, file_problem
 from eagle3.support.display import sig, size
-from eagle3.support.dtypes import device_type, dtype, from_safetensors
+from eagle3.support.dtypes import describe_compute_dtype, device_type, dtype, from_safetensors
 from eagle3.support.io import atomic_write_json, sha256_file, sha256_json
 from eagle3.support.progress import fmt_duration
 from eagle3.support.verifier import VerifierIdentity, VerifierSpec
+from eagle3.validate.baseline import reuse_problem
+from eagle3.validate.config import ValidateConfig
 
 log = logging.getLogger("eagle3")
 
@@ -87,6 +99,21 @@ class CapacityConfig(BaseModel):
         gt=0.0,
         description="Tokens per second the verifier generates in vLLM over a whole batch (the regenerate stage's "
         "time estimate); measured on this project's 2 CPU cores for SmolLM2-135M: see the README.",
+    )
+    training_gpu_seconds_per_sample: float = Field(
+        1.41,
+        gt=0.0,
+        description="GPU-seconds to train the draft on one sample for one epoch (every TTT step, forward + "
+        "backward, on one GPU; validation and saves included, the network between hosts aside). The original "
+        "Kimi-K2.5 run: 950 training samples (1,000, 5% held out) x 10 epochs in 28 minutes on 8 GPUs = 1.41 GPU-s. "
+        "Longer samples or another draft width scale it.",
+    )
+    internode_bytes_per_second: float = Field(
+        50e9,
+        gt=0.0,
+        description="Bytes per second between two training hosts, per host (all its network links together; one "
+        "400 Gb/s InfiniBand NDR link = 50e9): with train.nodes > 1 each optimizer step all-reduces the float32 "
+        "gradients across the hosts (the training time estimate's network part).",
     )
     on_insufficient: Literal["fail", "warn"] = Field(
         "fail",
@@ -187,7 +214,7 @@ def store_file_bytes(tokens: int, n_aux: int, hidden_size: int, store_dtype: str
     """(hidden-state bytes (scales included), per-token bookkeeping bytes, header bytes) of the store file of a
     ``tokens``-token sample.
 
-    Sizes the layout ``eagle3.extract.store.sample_tensors`` gives (what ``serialize_sample`` writes, with
+    Sizes the layout ``eagle3.store.sample_tensors`` gives (what ``serialize_sample`` writes, with
     ``SAMPLE_METADATA``); the header depends on the token count only.
     """
     layout = sample_tensors(tokens, n_aux, hidden_size, dtype(store_dtype).name)
@@ -210,29 +237,13 @@ def _total_header_bytes(lengths: np.ndarray, n_aux: int, hidden_size: int, store
 
 
 def assistant_layout(dataset_dir: str | Path) -> tuple[np.ndarray, np.ndarray]:
-    """(non-assistant tokens [N], assistant turns [N]) of every sample of a prepared dataset: the prompt side
-    regeneration keeps, and the number of loss-mask runs (one per assistant turn) it rewrites."""
-    ds = load_prepared(dataset_dir, ("loss_mask",), CapacityError)
-    prompt, turns = [], []
-    for t in ds.select_columns(["loss_mask"]).with_format("arrow").iter(batch_size=4096):
-        col = t.column("loss_mask")
-        for i in range(len(t)):
-            m = np.asarray(col[i].values.to_numpy(zero_copy_only=False), dtype=np.int8)  # [T]
-            prompt.append(int((m == 0).sum()))
-            turns.append(int(((m[1:] == 1) & (m[:-1] == 0)).sum() + (len(m) > 0 and m[0] == 1)))
-    return np.asarray(prompt, dtype=np.int64), np.asarray(turns, dtype=np.int64)
+    """(non-assistant tokens [N], assistant turns [N]) of every sample of a prepared dataset (eagle3.chat.dataset)."""
+    return PreparedDataset(dataset_dir, CapacityError).assistant_layout()
 
 
 def sample_lengths(dataset_dir: str | Path) -> np.ndarray:
     """Token count of every sample of a prepared dataset -> [num_samples] int64, from the Arrow list offsets only."""
-    import pyarrow.compute as pc
-
-    ds = load_prepared(dataset_dir, ("input_ids",), CapacityError)
-    parts = [
-        pc.list_value_length(t.column("input_ids")).to_numpy(zero_copy_only=False)
-        for t in ds.select_columns(["input_ids"]).with_format("arrow").iter(batch_size=65536)
-    ]
-    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+    return PreparedDataset(dataset_dir, CapacityError).lengths
 
 
 def free_space(dest: str | os.PathLike) -> tuple[int | None, str | None, str | None]:
@@ -358,6 +369,111 @@ def plan_store(
     return plan
 
 
+class VerifierLoad(BaseModel):
+    """One load of the verifier in a run (an engine start, or the model loaded in-process)."""
+
+    stage: str
+    engine: Literal["vLLM", "transformers"]
+    what: str
+
+
+_SESSION_NAMES = {"A": "verifier + trained draft", "B": "verifier alone (baseline)", "U": "verifier + untrained draft"}
+
+
+def verifier_loads(extract: ExtractConfig, regenerate: RegenerateConfig | None, regen_dtype: str | None,
+                   validate: ValidateConfig | None) -> tuple[list[VerifierLoad], str | None]:
+    """Every verifier load a run makes, stage by stage, and why validation's baseline cannot come from the
+    regeneration's engine session (None: it does, eagle3.validate.baseline). vLLM restarts after an OOM and a
+    cached stage's loads are not counted (they may not happen)."""
+    regen_on = regenerate is not None and regenerate.enabled
+    from eagle3.extract.stage import HiddenStates  # stage names: their artifacts' (late: extraction imports a lot)
+    from eagle3.regenerate.stage import RegeneratedData
+    from eagle3.validate.stage import ValidationReport
+
+    loads = [VerifierLoad(stage=RegeneratedData.stage, engine="vLLM", what="generation")] if regen_on else []
+    loads.append(VerifierLoad(stage=HiddenStates.stage, engine="vLLM" if extract.backend == "vllm" else
+                              "transformers", what="hidden states"))
+    problem = None
+    if validate is not None:
+        problem = reuse_problem(validate, regen_on, regen_dtype or "", regenerate.engine if regen_on else
+                                validate.engine)
+        loads += [VerifierLoad(stage=ValidationReport.stage, engine="vLLM", what=_SESSION_NAMES[letter])
+                  for letter in validate.engine_sessions(baseline_shared=problem is None)]
+        if validate.offline_reference:
+            loads.append(VerifierLoad(stage=ValidationReport.stage, engine="transformers", what="offline reference"))
+    return loads, problem
+
+
+def loads_summary(loads: list[VerifierLoad], load_s: float, problem: str | None, validate: bool) -> str:
+    """'verifier loads per run: 3 = regenerate 1 + ... (0:22:00 each, 1:06:00 in all); ...' for the plan."""
+    per_stage: dict[str, list[str]] = {}
+    for ld in loads:
+        per_stage.setdefault(ld.stage, []).append(f"{ld.engine} {ld.what}")
+    parts = " + ".join(f"{stage} {len(w)} ({', '.join(w)})" for stage, w in per_stage.items())
+    line = (f"verifier loads per run: {len(loads)} = {parts}; {fmt_duration(load_s)} each, "
+            f"{fmt_duration(load_s * len(loads))} (h:mm:ss) of loading in all")
+    if validate:
+        line += ("; validation's verifier-alone baseline comes from the regeneration's engine session" if problem
+                 is None else f"; validation starts its own verifier-alone engine ({problem})")
+    return line
+class TrainingShape(BaseModel):
+    """What the training time estimate reads of the train and vocab settings (the capacity stage is keyed on these,
+    not on the whole training config: a new learning rate does not replan)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    epochs: int = Field(gt=0, description="Passes over the training split.")
+    val_ratio: float = Field(ge=0, lt=1, description="Fraction of samples held out for validation.")
+    batch_size: int = Field(gt=0, description="Packed sequences per optimizer step, all processes together.")
+    nodes: int = Field(gt=0, description="Hosts training together.")
+    nproc: int = Field(gt=0, description="Training processes (GPUs) per host.")
+    draft_vocab_size: int = Field(gt=0, description="Draft vocabulary, tokens (the lm_head's rows).")
+    draft: DraftArchitecture = Field(description="The draft's architecture options (its parameter count).")
+
+
+class TrainingTime(BaseModel):
+    """Seconds (estimates) of one training run; see the module docstring."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gpus: int = Field(description="nodes x nproc")
+    nodes: int = Field(description="hosts training together")
+    train_samples: int = Field(description="samples of the training split")
+    trainable_parameters: int = Field(description="the draft's, count")
+    compute_seconds: float = Field(description="epochs x train_samples x training_gpu_seconds_per_sample / gpus")
+    optimizer_steps: int = Field(description="at least epochs x ceil(train_samples / batch_size)")
+    allreduce_bytes_per_step: int = Field(description="bytes through each host's links per step (0 on one host)")
+    network_seconds: float = Field(description="optimizer_steps x allreduce_bytes_per_step / "
+                                   "internode_bytes_per_second")
+    seconds: float = Field(description="compute_seconds + network_seconds")
+
+    def summary(self, epochs: int) -> str:
+        where = f"{self.nodes} hosts x {self.gpus // self.nodes} GPUs" if self.nodes > 1 else f"{self.gpus} GPU(s)"
+        net = (f" + gradient all-reduce between hosts {fmt_duration(self.network_seconds)} ({self.optimizer_steps:,} "
+               f"steps x {self.allreduce_bytes_per_step / 1e9:,.2f} GB per host)" if self.nodes > 1 else "")
+        return (f"  training: {fmt_duration(self.seconds)} (h:mm:ss) on {where} = compute "
+                f"{fmt_duration(self.compute_seconds)} ({epochs} epochs x {self.train_samples:,} samples){net}")
+
+
+def plan_training_time(shape: TrainingShape, spec: VerifierSpec, aux_layer_ids: list[int], num_samples: int,
+                       cfg: CapacityConfig) -> TrainingTime:
+    """The training time estimate of ``shape`` over ``num_samples`` samples (see the module docstring)."""
+    from eagle3.draft.config import DraftConfig
+    from eagle3.train.memory import parameter_counts
+
+    trainable = sum(parameter_counts(DraftConfig.build(spec, shape.draft_vocab_size, aux_layer_ids,
+                                                       shape.draft))[0].values())
+    gpus = shape.nodes * shape.nproc
+    samples = num_samples - round(num_samples * shape.val_ratio)
+    compute = shape.epochs * samples * cfg.training_gpu_seconds_per_sample / gpus
+    steps = shape.epochs * math.ceil(samples / shape.batch_size)
+    per_step = 0 if shape.nodes == 1 else math.ceil(2 * (shape.nodes - 1) / shape.nodes * 4 * trainable)
+    network = steps * per_step / cfg.internode_bytes_per_second
+    return TrainingTime(gpus=gpus, nodes=shape.nodes, train_samples=samples, trainable_parameters=trainable,
+                        compute_seconds=compute, optimizer_steps=steps, allreduce_bytes_per_step=per_step,
+                        network_seconds=network, seconds=compute + network)
+
+
 class CapacityPlan(Artifact):
     """The capacity stage's output: the store's resolved layout (what extraction will write) and its plan."""
 
@@ -373,12 +489,18 @@ class CapacityPlan(Artifact):
     required_free_bytes: int = Field(description="total_bytes plus the margin, bytes.")
     free_bytes: int | None = Field(description="Free bytes at the destination (None: unknown).")
     fits: bool | None = Field(description="required_free_bytes <= free_bytes (None: free space unknown).")
-    estimated_seconds: float = Field(description="Regeneration (when on) + model load + extraction, seconds (an "
-                                     "estimate).")
+    estimated_seconds: float = Field(description="Regeneration (when on) + model load + extraction + training "
+                                     "(when planned), seconds (an estimate).")
+    training_seconds: float | None = Field(None, description="Training estimate (compute on nodes x nproc GPUs + "
+                                           "the gradient all-reduce between hosts), seconds; None: not planned.")
     regeneration_seconds: float | None = Field(description="Regeneration estimate: one more verifier load + the "
                                                "upper bound of generated tokens at generation_tokens_per_second.")
     regeneration_tokens_upper: int | None = Field(description="Tokens regeneration generates at most (every turn "
                                                   "at max_new_tokens, each conversation cut at max_seq_len).")
+    verifier_loads: list[VerifierLoad] = Field(default_factory=list, description="Every verifier load the run "
+                                                "makes (engine starts and in-process loads), stage by stage.")
+    verifier_load_seconds: float | None = Field(None, description="The time of those loads: their count x the "
+                                                "model load estimate, seconds.")
     summary: str = Field(description="The plan in plain lines (the UI artifact and the log show it).")
     plan_sha256: str | None = Field(None, description="sha256 of plan.json as written (the reuse check; the "
                                     "fingerprint is the layout alone).")
@@ -393,7 +515,8 @@ class CapacityPlan(Artifact):
 
 def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: VerifierIdentity, prepared: PreparedData,
                   dest: str | os.PathLike, out_dir: str | Path,
-                  regenerate: RegenerateConfig | None = None, draft: DraftArchitecture | None = None) -> CapacityPlan:
+                  regenerate: RegenerateConfig | None = None, training: TrainingShape | None = None,
+                  validate: ValidateConfig | None = None) -> CapacityPlan:
     """The capacity stage: resolve the store's layout with the rules extraction uses (aux layers, compute and store
     dtypes), plan it at ``dest`` and write ``<out_dir>/plan.json``. Raises CapacityError when it would not fit, and
     when vLLM on this host could not serve the ``draft`` kind beside this verifier (before anything is regenerated,
@@ -401,9 +524,13 @@ def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: Verifie
 
     With ``regenerate`` enabled the answers are not known yet: the store is planned for the upper bound (every
     assistant turn at max_new_tokens, each conversation cut at max_seq_len), and the time adds the regeneration
-    estimate (a verifier load + the generated tokens at generation_tokens_per_second)."""
+    estimate (a verifier load + the generated tokens at generation_tokens_per_second). With ``training`` the time
+    adds the training estimate on its nodes x nproc GPUs (``plan_training_time``), and the plan refuses a draft kind
+    vLLM here could not serve beside the verifier. The plan counts every verifier load of the run
+    (``verifier_loads``, with ``validate``'s engine sessions) and their time."""
     spec = verifier.spec()
-    if draft is not None and (problem := serving_pair_problem(spec.mla, draft.kind, device_type("auto"))):
+    if training is not None and (problem := serving_pair_problem(spec.mla, training.draft.kind,
+                                                                  device_type("auto"))):
         raise CapacityError(problem)
     aux = spec.resolve_aux_layer_ids(extract.aux_layer_ids)
     compute, store = extract.resolved_dtypes(spec)
@@ -426,9 +553,26 @@ def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: Verifie
                     f"\n  total estimate: {fmt_duration(total_s)} (h:mm:ss)")
         for line in summary.splitlines()[-2:]:
             log.info("[capacity] %s", line)
+    train_time = None
+    if training is not None:
+        train_time = plan_training_time(training, spec, aux, plan.num_samples, cfg)
+        total_s += train_time.seconds
+        extra = [train_time.summary(training.epochs), f"  total estimate with training: {fmt_duration(total_s)}"]
+        summary += "\n" + "\n".join(extra)
+        for line in extra:
+            log.info("[capacity] %s", line)
+    regen_dtype = describe_compute_dtype(regenerate.dtype, spec.dtype, "auto") if regenerate is not None else None
+    loads, problem = verifier_loads(extract, regenerate, regen_dtype, validate)
+    load_line = loads_summary(loads, plan.model_load_seconds, problem, validate is not None)
+    summary += f"\n  {load_line}"
+    log.info("[capacity] %s", load_line)
     path = atomic_write_json(Path(out_dir) / PLAN_FILE, {**plan.model_dump(mode="json"),
                                                          "regeneration_seconds": regen_s,
-                                                         "regeneration_tokens_upper": regen_tokens})
+                                                         "regeneration_tokens_upper": regen_tokens,
+                                                         "training": train_time and train_time.model_dump(),
+                                                         "verifier_loads": [ld.model_dump() for ld in loads],
+                                                         "verifier_load_seconds": plan.model_load_seconds * len(loads),
+                                                         "baseline_not_shared_because": problem})
     artifact = CapacityPlan(
         # identity = the layout extraction writes (never free space, paths or estimates: extraction keys on it,
         # and shards planned at different moments must fill one store)
@@ -438,6 +582,7 @@ def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: Verifie
         compute_dtype=compute, store_dtype=store, bytes_per_token=plan.bytes_per_token, total_bytes=plan.total_bytes,
         required_free_bytes=plan.required_free_bytes, free_bytes=plan.free_bytes, fits=plan.fits,
         estimated_seconds=total_s, regeneration_seconds=regen_s, regeneration_tokens_upper=regen_tokens,
-        summary=summary, plan_sha256=sha256_file(path))
+        training_seconds=train_time and train_time.seconds, verifier_loads=loads,
+        verifier_load_seconds=plan.model_load_seconds * len(loads), summary=summary, plan_sha256=sha256_file(path))
     artifact.save()
     return artifact

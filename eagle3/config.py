@@ -7,8 +7,9 @@ verifier, runs on a laptop), ``smollm2`` (a real instruct LLM on 2 CPU cores) an
 production run's choices). One-setting overrides (``{"train.epochs": 1}``, the CLI's ``--set train.epochs=1``) go
 through ``apply_overrides``, validated like the rest.
 
-Shared values are set once at the top (``verifier_path``, ``max_seq_len``) and copied into the stage sections that
-need them, so the two cannot disagree.
+Shared values are set once at the top (``verifier_path``, ``engine``: the vLLM engine settings, ``max_seq_len``) and
+copied into the stage sections that need them, so the two cannot disagree; a stage's ``engine`` section holds only
+its exceptions (validation's job timeout by default).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from eagle3.capacity import CapacityConfig
+from eagle3.capacity import CapacityConfig, TrainingShape
+from eagle3.chat.encoder import ChatSettings
+from eagle3.engine.settings import VALIDATE_TIMEOUT_S, EngineOverrides, EngineSettings
 from eagle3.extract.config import ExtractConfig
 from eagle3.prepare import PrepareConfig
 from eagle3.regenerate.config import RegenerateConfig
@@ -44,22 +47,33 @@ class DataSection(PrepareConfig):
         description=PrepareConfig.model_fields["sources"].description + " Relative paths: to the checkout.")
     tokenizer_path: str | None = Field(  # type: ignore[assignment]
         None, description="Tokenizer + chat template folder; None = the pipeline's verifier_path.")
+    trust_remote_code: bool | None = Field(  # type: ignore[assignment]
+        None, description="Allow the tokenizer's own Python code; None = the pipeline's engine.trust_remote_code "
+        "(the verifier's tokenizer is the verifier's code).")
     # filled by the pipeline: hidden from the form and left out of dumps (a deployment's parameters never hold it)
     max_seq_len: SkipJsonSchema[int | None] = Field(  # type: ignore[assignment]
         None, exclude=True, description="Set from the pipeline's max_seq_len (tokens).")
 
 
+_OVERRIDES = "This stage's exceptions to the pipeline's engine settings (fields left null are inherited)."
+
+
 class ExtractSection(ExtractConfig):
     verifier: SkipJsonSchema[str | None] = Field(  # type: ignore[assignment]
         None, exclude=True, description="Set from the pipeline's verifier_path.")
+    engine: EngineOverrides = Field(default_factory=EngineOverrides, description=_OVERRIDES)  # type: ignore
 
 
 class RegenerateSection(RegenerateConfig):
-    # filled from the extraction settings and max_seq_len (the same interpreter and GPUs as extraction)
+    # filled from max_seq_len
     max_model_len: SkipJsonSchema[int | None] = Field(None, exclude=True)  # type: ignore[assignment]
-    tensor_parallel_size: SkipJsonSchema[int | None] = Field(None, exclude=True)  # type: ignore[assignment]
-    vllm_python: SkipJsonSchema[str | None] = Field(None, exclude=True)  # type: ignore[assignment]
-    trust_remote_code: SkipJsonSchema[bool | None] = Field(None, exclude=True)  # type: ignore[assignment]
+    engine: EngineOverrides = Field(default_factory=EngineOverrides, description=_OVERRIDES)  # type: ignore
+
+
+class ValidateSection(ValidateConfig):
+    engine: EngineOverrides = Field(  # type: ignore[assignment]
+        default_factory=lambda: EngineOverrides(timeout_s=VALIDATE_TIMEOUT_S),
+        description=f"{_OVERRIDES} Validation's engine jobs time out after {VALIDATE_TIMEOUT_S:.0f} s by default.")
 
 
 class TrainSection(TrainConfig):
@@ -82,6 +96,42 @@ class HostConfig(LockSettings):
         json_schema_extra=RUNTIME)
 
 
+class NodeHost(BaseModel):
+    """One host of a multi-node training: where its node's flow run goes and which guard it takes there."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    work_queue: str = Field(description="The work queue this host's worker polls (deployments/start_worker.sh POOL "
+                            "QUEUE): the node's flow run is placed on it.", json_schema_extra=RUNTIME)
+    gpu_concurrency_limit: str | None = Field(
+        None, description="This host's Prefect global concurrency limit (slots = its GPUs; deployments/"
+        "setup_prefect.sh POOL LIMIT GPUS); None = host.gpu_concurrency_limit. Give each host its own: one limit "
+        "shared by two hosts makes the second node wait for slots the first holds.", json_schema_extra=RUNTIME)
+    address: str | None = Field(
+        None, description="The address the other hosts reach this one at (torch elastic's local_addr; node 0's is "
+        "where workers find the process group's store); None = this host's fully qualified name.",
+        json_schema_extra=RUNTIME)
+
+
+class NodePlacement(BaseModel):
+    """Where a multi-node training (train.nodes > 1) runs: the train stage starts one flow run of ``deployment`` per
+    host, node 0 first, each on its host's work queue, waits for all of them, and fails (cancelling the others) when
+    one fails. Placement never changes what is trained."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    deployment: str = Field(
+        "eagle3-train-node/train-node", description="The deployment that runs one node (flow eagle3-train-node, "
+        "registered by `prefect deploy` from prefect.yaml); its work pool must hold every host's work queue.",
+        json_schema_extra=RUNTIME)
+    hosts: list[NodeHost] = Field(
+        default_factory=list, description="One entry per node, node 0 first (node 0 hosts the rendezvous at "
+        "train.rdzv_endpoint and writes the run's files). Needed when train.nodes > 1; exactly train.nodes entries.",
+        json_schema_extra=RUNTIME)
+    poll_seconds: float = Field(2.0, gt=0, description="Seconds between two reads of the node runs' states.",
+                                json_schema_extra=RUNTIME)
+
+
 class PipelineConfig(BaseModel):
     """Chat data + a verifier checkpoint -> an EAGLE-3 draft checkpoint that vLLM loads, with measured acceptance."""
 
@@ -96,6 +146,9 @@ class PipelineConfig(BaseModel):
     verifier_path: str = Field(
         "models/tiny-chat-verifier", description="Verifier checkpoint folder (Hugging Face layout; relative: to the "
         "checkout). Kimi-K2.5's nested text_config and language_model. prefix are understood.")
+    engine: EngineSettings = Field(default_factory=EngineSettings, description="How the verifier runs in vLLM, for "
+                                   "every stage that starts an engine (regeneration, vLLM extraction, validation); "
+                                   "a stage's own engine section holds only its exceptions.")
     max_seq_len: int = Field(
         2048, ge=16, description="Longest sample in tokens: longer ones are skipped by data prep (counted), and the "
         "trainer packs samples into sequences of this length.")
@@ -108,15 +161,22 @@ class PipelineConfig(BaseModel):
     extract: ExtractSection = Field(default_factory=ExtractSection, description="Stage 2: verifier hidden states.")
     vocab: VocabConfig = Field(default_factory=VocabConfig, description="Stage 3: draft vocabulary (d2t / t2d).")
     train: TrainSection = Field(default_factory=TrainSection, description="Stage 4: the draft, training-time test.")
-    validate_: ValidateConfig = Field(default_factory=ValidateConfig, alias="validate",
+    validate_: ValidateSection = Field(default_factory=ValidateSection, alias="validate",
                                       description="Stage 5: checkpoint contract + vLLM speculative decoding.")
     host: HostConfig = Field(default_factory=HostConfig, description="GPU host guards (concurrency slots, lock).")
+    placement: NodePlacement = Field(default_factory=NodePlacement, description="Multi-node training "
+                                     "(train.nodes > 1): the host of each node.")
 
     @model_validator(mode="after")
     def _check(self) -> PipelineConfig:
         if self.train.max_seq_len is not None and self.train.max_seq_len < self.max_seq_len:
             raise ValueError(f"train.max_seq_len ({self.train.max_seq_len} tokens) < max_seq_len "
                              f"({self.max_seq_len} tokens): a kept sample would not fit a packed sequence")
+        if self.train.nodes > 1 and len(self.placement.hosts) != self.train.nodes:
+            raise ValueError(f"placement.hosts lists {len(self.placement.hosts)} host(s) but train.nodes is "
+                             f"{self.train.nodes}: give one work queue per node, node 0 first")
+        if self.train.nodes > 1 and (problem := self.train.world_problem()):
+            raise ValueError(f"train.{problem}")
         return self
 
     # --- the stage configs, with the shared values filled in
@@ -134,17 +194,33 @@ class PipelineConfig(BaseModel):
     def prepare_config(self) -> PrepareConfig:
         d = self.data.model_dump()
         d.update(sources=self.sources, tokenizer_path=resolve_path(self.data.tokenizer_path or self.verifier_path),
-                 max_seq_len=self.max_seq_len)
+                 max_seq_len=self.max_seq_len, trust_remote_code=self.engine.trust_remote_code
+                 if self.data.trust_remote_code is None else self.data.trust_remote_code)
         return PrepareConfig.model_validate(d)
 
+    def chat_settings(self) -> ChatSettings:
+        """What renders conversations (tokenizer, template override): one set for prepare, regeneration and
+        validation."""
+        return self.prepare_config().chat_settings()
+
+    def engine_for(self, section: RegenerateSection | ExtractSection | ValidateSection) -> EngineSettings:
+        """The engine settings a stage runs with: the pipeline's, with the section's own exceptions."""
+        return self.engine.merged(section.engine)
+
     def regenerate_config(self) -> RegenerateConfig:
-        x = self.extract
         return RegenerateConfig.model_validate({
-            **self.regenerate.model_dump(), "max_model_len": self.max_seq_len, "vllm_python": x.vllm_python,
-            "tensor_parallel_size": x.tensor_parallel_size, "trust_remote_code": x.trust_remote_code})
+            **self.regenerate.model_dump(exclude={"engine"}), "max_model_len": self.max_seq_len,
+            "engine": self.engine_for(self.regenerate)})
 
     def extract_config(self) -> ExtractConfig:
-        return ExtractConfig.model_validate({**self.extract.model_dump(), "verifier": self.verifier})
+        return ExtractConfig.model_validate({**self.extract.model_dump(exclude={"engine"}), "verifier": self.verifier,
+                                             "engine": self.engine_for(self.extract)})
+
+    def training_shape(self) -> TrainingShape:
+        """What the capacity plan's training time estimate reads (epochs, split, batch, nodes x GPUs, draft size)."""
+        t = self.train
+        return TrainingShape(epochs=t.epochs, val_ratio=t.val_ratio, batch_size=t.batch_size, nodes=t.nodes,
+                             nproc=t.nproc, draft_vocab_size=self.vocab.draft_vocab_size, draft=t.draft)
 
     def train_config(self) -> TrainConfig:
         return TrainConfig.model_validate({**self.train.model_dump(),
@@ -152,7 +228,8 @@ class PipelineConfig(BaseModel):
 
     @property
     def validate_config(self) -> ValidateConfig:
-        return self.validate_
+        return ValidateConfig.model_validate({**self.validate_.model_dump(exclude={"engine"}),
+                                              "engine": self.engine_for(self.validate_)})
 
     @property
     def run_dir(self) -> str:

@@ -48,23 +48,21 @@ concatenated sources, in the order given, the same number as ``source_index``):
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 import logging
 import random
-import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import pyarrow as pa
-from jinja2 import TemplateError
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from eagle3.chat.encoder import ChatSettings, Encoded
+from eagle3.chat.errors import BadRow, DataError
+from eagle3.chat.sources import SourcePart, iter_rows, normalize_row
 from eagle3.support.artifacts import Artifact, file_problem
-from eagle3.support.chat import FORMATS, canonical_role, detect_format
 from eagle3.support.io import atomic_path, atomic_write_json, fingerprint_paths, sha256_file, sha256_json
 from eagle3.support.progress import Progress, fmt_duration
 from eagle3.support.settings import RUNTIME
@@ -72,39 +70,11 @@ from eagle3.support.settings import RUNTIME
 log = logging.getLogger("eagle3.prepare")
 
 STATS_FORMAT = "eagle3-prepared-data/1"
-DATA_EXTENSIONS = (".jsonl", ".json", ".parquet")
 FIRST_INDICES_KEPT = 5
 _RENDER_BATCH = 256  # conversations rendered + tokenised per batched tokenizer call
 
-class DataError(ValueError):
-    """Bad input to the data stage; the message names the source, file, field or tokenizer path."""
-
-
-def load_prepared(dataset_dir: str | Path, columns: tuple[str, ...] = ("input_ids", "loss_mask"),
-                  error: type[Exception] = DataError):
-    """Open the data stage's output (a ``datasets.Dataset.save_to_disk`` folder) and check it holds one split with
-    ``columns``; any problem raises one ``error`` naming the folder. Later stages read prepared data through this."""
-    import datasets
-
-    path = Path(dataset_dir)
-    if not path.is_dir():
-        raise error(f"dataset folder not found: {path} (expected datasets.Dataset.save_to_disk output)")
-    try:
-        ds = datasets.load_from_disk(str(path))
-    except (OSError, ValueError) as e:  # FileNotFoundError, ArrowInvalid, ... for broken folders
-        raise error(f"cannot open dataset {path}: {e}") from None
-    if not isinstance(ds, datasets.Dataset):
-        raise error(f"dataset folder {path} holds a DatasetDict ({list(ds)}); pass one split's folder")
-    missing = [c for c in columns if c not in ds.column_names]
-    if missing:
-        raise error(f"dataset {path} lacks column(s) {missing} (has {ds.column_names}); run the data stage")
-    return ds
-
-
-class PrepareConfig(BaseModel):
-    """Where the conversations come from and how they become verifier tokens."""
-
-    model_config = ConfigDict(extra="forbid")
+class PrepareConfig(ChatSettings):
+    """Where the conversations come from and how they become verifier tokens (the chat settings: eagle3.chat)."""
 
     sources: list[str] = Field(
         min_length=1,
@@ -121,23 +91,6 @@ class PrepareConfig(BaseModel):
         "auto",
         description="Row format: 'sharegpt' (conversations: from/value), 'openai' (messages: role/content), or "
         "'auto' (per row, by which of the two keys it has).",
-    )
-    tokenizer_path: str = Field(
-        description="Verifier (or its tokenizer) folder: its tokenizer and chat template render the conversations.",
-        json_schema_extra=RUNTIME,  # keyed by content: describe_sources / describe_tokenizer
-    )
-    chat_template: str | None = Field(
-        None,
-        description="Chat template overriding the tokenizer's own: Jinja text, a path to a template file, or the name "
-        "of one of the tokenizer's named templates.",
-    )
-    trust_remote_code: bool = Field(
-        False, description="Allow the tokenizer's own Python code (needed by e.g. Kimi's tiktoken tokenizer)."
-    )
-    mask_method: Literal["auto", "generation", "prefix"] = Field(
-        "auto",
-        description="How assistant tokens are located: 'generation' (the template's {% generation %} blocks), "
-        "'prefix' (prefix renderings), 'auto' (generation blocks when the template has them).",
     )
     max_samples: int | None = Field(
         None, ge=1, description="Stop after this many KEPT samples (conversations); None = all."
@@ -158,37 +111,6 @@ def content_fingerprint(dataset_path: str | Path, stats: dict[str, Any]) -> str:
     """The prepared data's identity: the Arrow dataset's bytes and the stats without the keys that name paths, so
     the same data prepared from another folder or checkout keys every downstream stage the same."""
     return sha256_json([fingerprint_paths([dataset_path]), {k: v for k, v in stats.items() if k not in _PATH_KEYS}])
-
-
-class DataSources(BaseModel):
-    """The chat sources of a run and their content fingerprint (the data stage's cache key reads it)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    sources: list[str] = Field(description="As configured (resolved paths, URLs, hf: ids).")
-    fingerprint: str = Field(description="Local files and folders by content; URLs and hub ids by their string.")
-
-
-def describe_sources(sources: list[str]) -> DataSources:
-    """Local files/folders by content; URLs and hub ids by their string (pin a revision in the id to key on it)."""
-    parts = []
-    for src in sources:
-        local = Path(src.removeprefix("file://"))
-        parts.append(fingerprint_paths([local]) if local.exists() else f"remote:{src}")
-    return DataSources(sources=list(sources), fingerprint=sha256_json(parts))
-
-
-def describe_tokenizer(cfg: PrepareConfig) -> DataSources:
-    """The identity of what renders and tokenizes the conversations: the tokenizer folder's tokenizer and template
-    files, and a chat_template override (its text, or the content of the file it names)."""
-    from eagle3.support.verifier import tokenizer_fingerprint
-
-    template = cfg.chat_template
-    if template is not None and "{" not in template and Path(template).is_file():
-        template = Path(template).read_text(encoding="utf-8")
-    return DataSources(sources=[cfg.tokenizer_path], fingerprint=sha256_json([
-        tokenizer_fingerprint(cfg.tokenizer_path) if Path(cfg.tokenizer_path).is_dir() else cfg.tokenizer_path,
-        template]))
 
 
 class PreparedData(Artifact):
@@ -231,372 +153,6 @@ class PreparedData(Artifact):
         """The content of stats.json."""
         return json.loads(Path(self.stats_path).read_text())
 
-
-class BadRow(Exception):
-    """One unusable row; ``reason`` is one of the names in the module docstring."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-
-
-@dataclass
-class Encoded:
-    input_ids: list[int]
-    loss_mask: list[int]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Sources -> raw rows
-# ---------------------------------------------------------------------------------------------------------------
-
-_HF_SPEC = re.compile(r"^(?P<name>.+?)(?::(?P<split>[A-Za-z_][\w-]*(?:\[[^\]]*\])?))?$")
-_HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(?:/[\w.-]+)?(?::[A-Za-z_][\w-]*(?:\[[^\]]*\])?)?$")
-
-
-@dataclass
-class _SourcePart:
-    source: str  # as given in the config
-    file: str  # the file (or dataset spec) it came from
-    first_index: int
-    rows: int = 0
-
-
-def _classify(source: str) -> tuple[str, str]:
-    if source.startswith("hf:"):
-        return "hf", source[3:]
-    if "://" in source or Path(source).expanduser().exists():
-        return "fsspec", source
-    if _HF_ID.fullmatch(source) and not source.lower().endswith(DATA_EXTENSIONS):
-        return "hf", source
-    raise DataError(f"source {source!r} not found: no such file or folder")
-
-
-def _list_files(source: str) -> list[tuple[Any, str]]:
-    import fsspec
-
-    try:
-        fs, root = fsspec.core.url_to_fs(source if "://" in source else str(Path(source).expanduser()))
-    except (ValueError, ImportError) as e:
-        raise DataError(f"source {source!r}: cannot open ({e})") from e
-    if not fs.exists(root):
-        raise DataError(f"source {source!r} not found: no such file or folder")
-    if fs.isdir(root):
-        files = sorted(
-            f for f in fs.find(root)
-            if f.lower().endswith(DATA_EXTENSIONS) and not any(p.startswith(".") for p in f[len(root):].split("/"))
-        )
-        if not files:
-            raise DataError(f"source {source!r}: folder holds no {'/'.join(DATA_EXTENSIONS)} files")
-        return [(fs, f) for f in files]
-    if not root.lower().endswith(DATA_EXTENSIONS):
-        raise DataError(f"source {source!r}: unsupported file type (expected {', '.join(DATA_EXTENSIONS)})")
-    return [(fs, root)]
-
-
-def _jsonl_rows(lines: Iterator[bytes]) -> Iterator[dict | BadRow]:
-    for line in lines:
-        if not line.strip():
-            continue
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            yield BadRow("invalid_utf8", str(e))
-            continue
-        try:
-            row = json.loads(text)
-        except json.JSONDecodeError as e:
-            yield BadRow("invalid_json", str(e))
-            continue
-        yield row if isinstance(row, dict) else BadRow("invalid_json", f"a JSON {type(row).__name__}, not an object")
-
-
-def _file_rows(fs: Any, path: str, source: str) -> Iterator[dict | BadRow]:
-    lower = path.lower()
-    if lower.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        with fs.open(path, "rb") as f:
-            try:
-                pf = pq.ParquetFile(f)
-            except Exception as e:  # pyarrow raises ArrowInvalid / OSError on a broken file
-                raise DataError(f"source {source!r}: {path} is not a readable parquet file ({e})") from e
-            for batch in pf.iter_batches(batch_size=1024):
-                yield from batch.to_pylist()
-        return
-    if lower.endswith(".jsonl"):
-        with fs.open(path, "rb") as f:
-            yield from _jsonl_rows(f)
-        return
-    with fs.open(path, "rb") as f:
-        data = f.read()
-    # surrogateescape keeps a row with undecodable bytes readable; its strings then hold lone surrogates and
-    # normalisation reports that row (only that row) as invalid_utf8.
-    text = data.decode("utf-8", errors="surrogateescape")
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as e:
-        if text.lstrip().startswith("["):  # a broken JSON array is one error, not N invalid rows
-            raise DataError(f"source {source!r}: {path} is not valid JSON ({e})") from None
-        yield from _jsonl_rows(iter(data.splitlines()))  # JSON lines in a .json file, as datasets accepts
-        return
-    if isinstance(doc, dict) and ("messages" in doc or "conversations" in doc):
-        doc = [doc]
-    if not isinstance(doc, list):
-        raise DataError(f"source {source!r}: {path} must hold a JSON list of rows (or JSON lines)")
-    for row in doc:
-        yield row if isinstance(row, dict) else BadRow("invalid_json", f"a JSON {type(row).__name__}, not an object")
-
-
-def _hf_rows(spec: str, default_split: str, source: str) -> Iterator[dict]:
-    import datasets
-
-    m = _HF_SPEC.match(spec)
-    if m is None:
-        raise DataError(f"source {source!r}: no dataset name (write hf:<id or local path>[:split])")
-    name, split = m["name"], m["split"] or default_split
-    try:
-        ds = datasets.load_dataset(name, split=split)
-    except Exception as e:  # offline hub misses, unknown splits, unreadable files: all one error naming the source
-        raise DataError(f"source {source!r}: datasets.load_dataset({name!r}, split={split!r}) failed: {e}") from e
-    for batch in ds.iter(batch_size=1024):
-        keys = list(batch)
-        for values in zip(*(batch[k] for k in keys)):
-            yield dict(zip(keys, values))
-
-
-def iter_rows(sources: list[str], hf_split: str = "train", parts: list[_SourcePart] | None = None
-              ) -> Iterator[tuple[int, dict | BadRow]]:
-    """Yield ``(row_index, row or BadRow)`` over all sources in order; ``parts`` collects where each index lies.
-
-    Every source is checked before the first row is read, so a missing one fails at once.
-    """
-    plan = []
-    for source in sources:
-        kind, spec = _classify(source)
-        plan.append((source, kind, spec, _list_files(source) if kind == "fsspec" else None))
-    index = 0
-    for source, kind, spec, files in plan:
-        streams = [(f"hf:{spec}", _hf_rows(spec, hf_split, source))] if kind == "hf" else [
-            (fs.unstrip_protocol(path), _file_rows(fs, path, source)) for fs, path in files
-        ]
-        for name, rows in streams:
-            part = _SourcePart(source=source, file=name, first_index=index)
-            if parts is not None:
-                parts.append(part)
-            for row in rows:
-                yield index, row
-                index += 1
-                part.rows += 1
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Rows -> normalised messages
-# ---------------------------------------------------------------------------------------------------------------
-
-def _check_text(text: Any) -> str:
-    if not isinstance(text, str):
-        raise BadRow("non_string_content", f"content is {type(text).__name__}")
-    if not text.strip():
-        raise BadRow("empty_content")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise BadRow("invalid_utf8", str(e)) from None
-    return text
-
-
-def normalize_row(row: dict, fmt: str = "auto") -> list[dict[str, str]]:
-    """ShareGPT or OpenAI row -> ``[{"role": system|user|assistant, "content": str}, ...]``; raises BadRow."""
-    if fmt == "auto":
-        fmt = detect_format(row)
-        if fmt is None:
-            raise BadRow("missing_field", "row has neither 'messages' nor 'conversations'")
-    key, role_key, text_key = FORMATS[fmt]
-    turns = row.get(key)
-    if not isinstance(turns, list) or not turns:
-        raise BadRow("missing_field", f"'{key}' is missing or not a non-empty list")
-    messages = []
-    if fmt == "sharegpt" and isinstance(row.get("system"), str) and row["system"].strip():
-        messages.append({"role": "system", "content": _check_text(row["system"])})
-    for turn in turns:
-        if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
-            raise BadRow("missing_field", f"a message lacks '{role_key}' or '{text_key}'")
-        role = canonical_role(turn[role_key])
-        if role is None:
-            raise BadRow("unknown_role", repr(turn[role_key]))
-        messages.append({"role": role, "content": _check_text(turn[text_key])})
-    if not any(m["role"] == "assistant" for m in messages):
-        raise BadRow("no_assistant_turn")
-    return messages
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Messages -> rendered text + assistant character spans -> tokens + mask
-# ---------------------------------------------------------------------------------------------------------------
-
-def load_chat_tokenizer(tokenizer_path: str, chat_template: str | None = None, trust_remote_code: bool = False):
-    """Load the verifier's tokenizer; return ``(tokenizer, template_text)``; DataError without a template."""
-    from transformers import AutoTokenizer
-
-    local = Path(tokenizer_path)
-    if (local.is_absolute() or tokenizer_path.startswith(".") or len(local.parts) > 2) and not local.exists():
-        # a folder path (a hub id is "org/name"): say so, not the hub's "repo id must be in the form ..." error
-        raise DataError(f"tokenizer not found: {tokenizer_path} does not exist (tokenizer_path: a tokenizer folder, "
-                        f"by default the verifier's, verifier_path)")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise DataError(f"tokenizer_path {tokenizer_path!r}: cannot load a tokenizer ({e})") from e
-    named = tokenizer.chat_template if isinstance(tokenizer.chat_template, dict) else {}
-    if chat_template is not None and "{" not in chat_template and chat_template not in named:
-        # no Jinja in it: a file path (a template always has {{ or {%), or a typo that must not render as text
-        if not Path(chat_template).is_file():
-            raise DataError(f"chat_template {chat_template!r}: no such file (nor a template of {tokenizer_path!r})")
-        chat_template = Path(chat_template).read_text(encoding="utf-8")
-    try:
-        template = tokenizer.get_chat_template(chat_template)
-    except ValueError as e:
-        raise DataError(
-            f"tokenizer at {tokenizer_path!r} has no chat template: set PrepareConfig.chat_template ({e})"
-        ) from e
-    return tokenizer, template
-
-
-class ChatEncoder:
-    """Renders conversations with one tokenizer + template and tokenises them with the assistant mask."""
-
-    def __init__(self, tokenizer: Any, chat_template: str, mask_method: str = "auto", name: str = ""):
-        from transformers.utils.chat_template_utils import render_jinja_template
-
-        self._render_jinja = render_jinja_template
-        self.tokenizer, self.template, self.name = tokenizer, chat_template, name or "tokenizer"
-        self.template_sha256 = hashlib.sha256(chat_template.encode("utf-8")).hexdigest()
-        has_generation = re.search(r"\{%-?\s*generation\s*-?%\}", chat_template) is not None
-        if mask_method == "generation" and not has_generation:
-            raise DataError(f"mask_method='generation' but the chat template of {self.name} has no {{% generation %}}")
-        self.method = "generation" if (mask_method == "generation" or (mask_method == "auto" and has_generation)) \
-            else "prefix"
-        # apply_chat_template passes the special tokens (bos_token, eos_token, ...) to the template: so do we
-        self._template_kwargs = dict(tokenizer.special_tokens_map)
-        added = getattr(tokenizer, "added_tokens_decoder", {}).values()
-        specials = sorted({t.content for t in added if t.special}, key=len, reverse=True)
-        self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
-        fast = getattr(tokenizer, "is_fast", False) and hasattr(tokenizer.backend_tokenizer, "encode_batch_fast")
-        self._backend = tokenizer.backend_tokenizer if fast else None
-        self._check_concatenation()
-
-    def _check_concatenation(self) -> None:
-        pieces = ["Hello", " world", "\n\nnew line", " and  spaces"]
-        ids = [i for p in self._tokenize(pieces) for i in p]
-        text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        if text != "".join(pieces):
-            raise DataError(
-                f"tokenizer {self.name}: tokenising text in pieces does not concatenate ({text!r} != "
-                f"{''.join(pieces)!r}); it adds something to every call (SentencePiece leading space?), "
-                "which the exact assistant mask cannot be built with"
-            )
-
-    def _tokenize(self, texts: list[str]) -> list[list[int]]:
-        if self._backend is not None:  # the Rust tokenizer itself: what tokenizer(texts) calls, minus offsets
-            return [e.ids for e in self._backend.encode_batch_fast(texts, add_special_tokens=False)]
-        return self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return self._render_jinja([messages], chat_template=self.template, add_generation_prompt=add_generation_prompt,
-                                  **self._template_kwargs)[0][0]
-
-    def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-        """Rendered conversation and the ``[start, end)`` character spans to mask; raises BadRow."""
-        assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        try:
-            if self.method == "generation":
-                (text,), (spans,) = self._render_jinja([messages], chat_template=self.template,
-                                                       return_assistant_tokens_mask=True, **self._template_kwargs)
-                spans = [tuple(s) for s in spans if s[1] > s[0]]
-                if len(spans) != len(assistant) or not all(
-                    messages[i]["content"].strip() in text[a:b] for i, (a, b) in zip(assistant, spans)
-                ):
-                    raise BadRow("content_not_rendered", "generation blocks do not hold the assistant messages")
-                return text, spans
-            text = self.render(messages)
-            spans = []
-            for i in assistant:
-                before = self.render(messages[:i], add_generation_prompt=True)
-                through = text if i == len(messages) - 1 else self.render(messages[: i + 1])
-                if not (through.startswith(before) and text.startswith(through)):
-                    raise BadRow("not_prefix_stable", f"message {i}")
-                spans.append(self._turn_span(text, len(before), len(through), messages[i]["content"], i))
-            return text, spans
-        except BadRow:
-            raise
-        except (TemplateError, TypeError, KeyError, IndexError, AttributeError, ValueError) as e:
-            # raise_exception() in the template, or e.g. `'+'` on a value the template did not expect
-            raise BadRow("template_error", f"{type(e).__name__}: {e}") from None
-
-    def _turn_span(self, text: str, start: int, end: int, content: str, i: int) -> tuple[int, int]:
-        turn = text[start:end]  # what the template writes for assistant message i after the generation prompt
-        at, length = turn.find(content), len(content)
-        if at < 0:  # templates that `| trim` the content
-            at, length = turn.find(content.strip()), len(content.strip())
-        if at < 0:
-            raise BadRow("content_not_rendered", f"message {i}")
-        stop = start + at + length
-        if self._special_re is not None:
-            m = self._special_re.search(text, stop, end)
-            if m and not text[stop:m.start()].strip():
-                stop = m.end()  # the end-of-turn token the verifier generates
-        return start + at, stop
-
-    def encode(self, conversations: list[list[dict]]) -> list[Encoded | BadRow]:
-        """Render + tokenise a batch; one tokenizer call for all pieces of all conversations."""
-        pieces: list[str] = []
-        layout: list[list[tuple[int, int]] | BadRow] = []  # per conversation: (piece index, mask flag) list
-        for messages in conversations:
-            try:
-                text, spans = self.assistant_spans(messages)
-            except BadRow as bad:
-                layout.append(bad)
-                continue
-            entry, pos = [], 0
-            for a, b in _merge(spans):
-                for s, e, flag in ((pos, a, 0), (a, b, 1)):
-                    if e > s:
-                        entry.append((len(pieces), flag))
-                        pieces.append(text[s:e])
-                pos = b
-            if len(text) > pos:
-                entry.append((len(pieces), 0))
-                pieces.append(text[pos:])
-            layout.append(entry)
-        ids = self._tokenize(pieces) if pieces else []
-        out: list[Encoded | BadRow] = []
-        for entry in layout:
-            if isinstance(entry, BadRow):
-                out.append(entry)
-                continue
-            input_ids: list[int] = []
-            mask: list[int] = []
-            for k, flag in entry:
-                input_ids.extend(ids[k])
-                mask.extend([flag] * len(ids[k]))
-            out.append(Encoded(input_ids, mask))
-        return out
-
-
-def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    merged: list[list[int]] = []
-    for a, b in sorted(spans):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return [(a, b) for a, b in merged]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The stage
-# ---------------------------------------------------------------------------------------------------------------
 
 class _Tally:
     def __init__(self) -> None:
@@ -664,10 +220,9 @@ def prepare_data(cfg: PrepareConfig | dict, out_dir: str | Path, on_update=None)
     t0 = time.monotonic()
     log.info("[data] reading %s with the tokenizer of %s%s", ", ".join(map(str, cfg.sources)), cfg.tokenizer_path,
              f" (the first {cfg.max_samples:,} usable samples)" if cfg.max_samples else "")
-    tokenizer, template = load_chat_tokenizer(cfg.tokenizer_path, cfg.chat_template, cfg.trust_remote_code)
-    encoder = ChatEncoder(tokenizer, template, cfg.mask_method, name=repr(cfg.tokenizer_path))
+    encoder = cfg.encoder()
 
-    parts: list[_SourcePart] = []
+    parts: list[SourcePart] = []
     rows: Iterator[tuple[int, dict | BadRow]] = iter_rows(cfg.sources, cfg.hf_split, parts)
     lazy = cfg.shuffle_seed is None  # stream rows; only a shuffle needs them all in memory
     if not lazy:

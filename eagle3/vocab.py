@@ -27,7 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from eagle3.prepare import PreparedData, load_prepared
+from eagle3.chat.dataset import PreparedDataset
+from eagle3.prepare import PreparedData
 from eagle3.support.artifacts import Artifact, file_problem
 from eagle3.support.io import atomic_path, atomic_write_json, save_safetensors, sha256_file
 
@@ -56,59 +57,23 @@ class VocabConfig(BaseModel):
     )
 
 
-def _open_dataset(dataset_dir: str | Path):
-    return load_prepared(dataset_dir, ("input_ids", "loss_mask"), VocabError).select_columns(["input_ids", "loss_mask"])
-
-
 def count_assistant_tokens(
     dataset_dir: str | Path, target_vocab_size: int, batch_samples: int = _BATCH_SAMPLES
 ) -> torch.Tensor:
     """Occurrences of each target token id at loss-masked (assistant) positions -> [target_vocab_size] int64.
 
-    Checks every sample on the way: equal input_ids / loss_mask lengths, mask values in {0, 1}, ids inside
-    [0, target_vocab_size) (an id outside means the dataset was tokenized for another verifier).
+    The prepared dataset's reader checks every sample first (eagle3.chat.dataset: equal input_ids / loss_mask
+    lengths, mask values in {0, 1}, ids inside [0, target_vocab_size): an id outside means the dataset was tokenized
+    for another verifier).
     """
-    ds = _open_dataset(dataset_dir)
+    ds = PreparedDataset(dataset_dir, VocabError)
+    ds.check(target_vocab_size)
     counts = torch.zeros(target_vocab_size, dtype=torch.int64)
-    first = 0  # dataset index of the batch's first sample
-    for table in ds.with_format("arrow").iter(batch_size=batch_samples):
-        ids_col, mask_col = table.column("input_ids"), table.column("loss_mask")
-        if ids_col.null_count or mask_col.null_count:
-            raise VocabError(
-                f"dataset {dataset_dir}: null input_ids/loss_mask in samples {first}..{first + len(table) - 1}"
-            )
-        n_ids = pc.list_value_length(ids_col).to_numpy()  # [batch]
-        n_mask = pc.list_value_length(mask_col).to_numpy()  # [batch]
-        if not np.array_equal(n_ids, n_mask):
-            i = int(np.flatnonzero(n_ids != n_mask)[0])
-            raise VocabError(
-                f"dataset {dataset_dir}, sample {first + i}: input_ids has {n_ids[i]} tokens but loss_mask {n_mask[i]}"
-            )
-        ids = torch.from_numpy(pc.list_flatten(ids_col).to_numpy().astype(np.int64))  # [batch tokens]
-        mask = torch.from_numpy(pc.list_flatten(mask_col).to_numpy().astype(np.int64))  # [batch tokens]
-
-        bad = torch.nonzero((ids < 0) | (ids >= target_vocab_size)).flatten()
-        if len(bad):
-            p = int(bad[0])
-            raise VocabError(
-                f"dataset {dataset_dir}, sample {_sample_at(first, n_ids, p)}: token id {int(ids[p])} outside the "
-                f"target vocabulary [0, {target_vocab_size}) (dataset tokenized for another verifier?)"
-            )
-        bad = torch.nonzero((mask != 0) & (mask != 1)).flatten()
-        if len(bad):
-            p = int(bad[0])
-            raise VocabError(
-                f"dataset {dataset_dir}, sample {_sample_at(first, n_ids, p)}: loss_mask value {int(mask[p])} "
-                "(expected 0 or 1)"
-            )
+    for _, table in ds.batches(batch_samples):
+        ids = torch.from_numpy(pc.list_flatten(table.column("input_ids")).to_numpy().astype(np.int64))  # [tokens]
+        mask = torch.from_numpy(pc.list_flatten(table.column("loss_mask")).to_numpy().astype(np.int64))  # [tokens]
         counts += torch.bincount(ids[mask.bool()], minlength=target_vocab_size)
-        first += len(table)
     return counts
-
-
-def _sample_at(first: int, lengths: np.ndarray, pos: int) -> int:
-    """Dataset index of the sample holding flat token position ``pos`` of a batch starting at sample ``first``."""
-    return first + int(np.searchsorted(np.cumsum(lengths), pos, side="right"))
 
 
 def tables_for(kept: torch.Tensor, target_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

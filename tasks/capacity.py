@@ -1,30 +1,31 @@
-"""Capacity task: size the hidden-state store from config.json + sample lengths; refuse before extraction."""
+"""Capacity task: size the hidden-state store from config.json + sample lengths (and estimate the time of extraction
+and training); refuse before extraction."""
 
 from __future__ import annotations
 
-from eagle3.capacity import CapacityConfig, CapacityPlan, plan_capacity
-from eagle3.draft.config import DraftArchitecture
+from eagle3.capacity import CapacityConfig, CapacityPlan, TrainingShape, plan_capacity
 from eagle3.extract.config import ExtractConfig
 from eagle3.prepare import PreparedData
 from eagle3.regenerate.config import RegenerateConfig
 from eagle3.support.display import size
 from eagle3.support.progress import fmt_duration
 from eagle3.support.verifier import VerifierIdentity
+from eagle3.validate.config import ValidateConfig
 from tasks import artifacts
 from tasks.common import stage_dir, stage_task
 
 
-@stage_task("plan-capacity")
+@stage_task(CapacityPlan)
 def plan_capacity_task(cfg: CapacityConfig, extract: ExtractConfig, verifier: VerifierIdentity,
                        prepared: PreparedData, run_dir: str, regenerate: RegenerateConfig | None = None,
-                       draft: DraftArchitecture | None = None) -> CapacityPlan:
+                       training: TrainingShape | None = None, validate: ValidateConfig | None = None) -> CapacityPlan:
     """-> CapacityPlan (the store's resolved layout, bytes, free space, time) + plan.json.
 
     Raises CapacityError when the store would not fit at ``run_dir`` with the margin (cfg.on_insufficient="fail"),
     or when vLLM here cannot serve the ``draft`` kind beside the verifier.
     """
-    out_dir = stage_dir(run_dir, "plan-capacity")
-    plan = plan_capacity(cfg, extract, verifier, prepared, run_dir, out_dir, regenerate, draft)
+    out_dir = stage_dir(run_dir)
+    plan = plan_capacity(cfg, extract, verifier, prepared, run_dir, out_dir, regenerate, training, validate)
     artifacts.markdown("capacity-plan", plan_markdown(plan),
                        description="Hidden-state store size, free space and time estimate")
     return plan

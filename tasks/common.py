@@ -27,8 +27,9 @@ from prefect import task
 from pydantic import BaseModel
 
 import eagle3
+from eagle3.chat.encoder import ChatSettings, describe_tokenizer
+from eagle3.chat.sources import DataSources, describe_sources
 from eagle3.config import HostConfig
-from eagle3.prepare import DataSources, PrepareConfig, describe_sources, describe_tokenizer
 from eagle3.support.artifacts import A, Artifact, identity, with_producer
 from eagle3.support.gpu import DeviceGuard, device_lock, is_oom_error, lock_names
 from eagle3.support.io import sha256_json
@@ -49,8 +50,9 @@ def _canonical(value: Any, keep_resumable: bool) -> Any:
     return value
 
 
-# task parameters about orchestration, never about what the stage computes
-NOT_KEYED = frozenset({"reuse_only"})
+# task parameters about orchestration, never about what the stage computes (``baseline_for``: regeneration's engine
+# session also generates validation's verifier-alone baseline; asking for it never regenerates the data)
+NOT_KEYED = frozenset({"reuse_only", "placement", "baseline_for"})
 
 
 def stage_key(stage: str, inputs: dict[str, Any], keep_resumable: bool = True) -> str:
@@ -67,21 +69,24 @@ def cache_key(context, parameters: dict[str, Any]) -> str:
     return stage_key(context.task.name, parameters)
 
 
-_STAGE_PARAMS: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("stage_params", default=None)
+# the running stage task's (stage name, parameters), set by ``stage_task``'s wrapper
+_STAGE_CALL: contextvars.ContextVar[tuple[str, dict[str, Any]] | None] = contextvars.ContextVar("stage_call",
+                                                                                               default=None)
 
 
-def stage_dir(run_dir: str, stage: str, inputs: dict[str, Any] | None = None) -> Path:
-    """``<run_dir>/<stage>-<key[:12]>``, keyed without the resumable settings. ``inputs`` default: the parameters the
-    running stage task was called with (``stage_task`` records them), so the folder key and the cache key read the
-    same inputs. Inside a task run the stage is the task's name (one task body serves prepare-data and
-    prepare-regenerated)."""
+def stage_dir(run_dir: str, stage: str | None = None, inputs: dict[str, Any] | None = None) -> Path:
+    """``<run_dir>/<stage>-<key[:12]>``, keyed without the resumable settings. ``stage`` and ``inputs`` default to
+    the running stage task's name and the parameters it was called with (``stage_task`` records them), so the folder
+    key and the cache key read the same inputs. Inside a task run the stage is the task's name (one task body serves
+    prepare-data and prepare-regenerated)."""
     from prefect.context import TaskRunContext
 
+    call = _STAGE_CALL.get()
     ctx = TaskRunContext.get()
-    stage = ctx.task.name if ctx is not None else stage
-    inputs = inputs if inputs is not None else _STAGE_PARAMS.get()
-    if inputs is None:
-        raise RuntimeError("stage_dir() without inputs outside a stage task")
+    stage = ctx.task.name if ctx is not None else stage or (call[0] if call else None)
+    inputs = inputs if inputs is not None else (call[1] if call else None)
+    if inputs is None or stage is None:
+        raise RuntimeError("stage_dir() without a stage and its inputs outside a stage task")
     return Path(run_dir) / f"{stage}-{stage_key(stage, inputs, keep_resumable=False)[:12]}"
 
 
@@ -111,10 +116,14 @@ def produced_here(artifact: A) -> A:
         return artifact
 
 
-def stage_task(name: str, oom_retries: int = 0):
-    """The decorator of every stage task: a Prefect task cached by content (``cache_key``) with its artifact
-    persisted as JSON, the log lines of all its threads routed to its run (tasks.logs), its artifact stamped with
-    the producing flow run, and ``oom_retries`` retries on out-of-memory errors only (each at a smaller batch)."""
+def stage_task(artifact: type[Artifact], oom_retries: int = 0):
+    """The decorator of every stage task: a Prefect task named after the stage its artifact type belongs to
+    (``artifact.stage``: the one place a stage's name is written), cached by content (``cache_key``) with its
+    artifact persisted as JSON, the log lines of all its threads routed to its run (tasks.logs), its artifact
+    stamped with the producing flow run, and ``oom_retries`` retries on out-of-memory errors only (each at a smaller
+    batch)."""
+    name = artifact.stage
+
     def wrap(fn):
         signature = inspect.signature(fn)
 
@@ -122,12 +131,12 @@ def stage_task(name: str, oom_retries: int = 0):
         def body(*args, **kwargs):
             params = signature.bind(*args, **kwargs)
             params.apply_defaults()
-            token = _STAGE_PARAMS.set(dict(params.arguments))
+            token = _STAGE_CALL.set((name, dict(params.arguments)))
             try:
                 with logs_from_all_threads():
                     return produced_here(fn(*args, **kwargs))
             finally:
-                _STAGE_PARAMS.reset(token)
+                _STAGE_CALL.reset(token)
 
         return task(name=name, cache_key_fn=cache_key, persist_result=True, result_serializer="json",
                     retries=oom_retries, retry_condition_fn=retry_on_oom_only if oom_retries else None)(body)
@@ -179,7 +188,7 @@ describe_prompts_task = describe_sources_task.with_options(name="describe-prompt
 
 
 @task(name="describe-tokenizer")
-def describe_tokenizer_task(cfg: PrepareConfig) -> DataSources:
+def describe_tokenizer_task(cfg: ChatSettings) -> DataSources:
     """Content fingerprint of what renders the conversations (tokenizer files, chat-template override)."""
     return describe_tokenizer(cfg)
 

@@ -19,7 +19,7 @@ from tasks import artifacts
 from tasks.common import attempt_batch_scale, gpu_guard, stage_dir, stage_task
 
 
-@stage_task("extract-hidden-states", oom_retries=2)
+@stage_task(HiddenStates, oom_retries=2)
 def extract_hidden_states_task(cfg: ExtractConfig, verifier: VerifierIdentity, prepared: PreparedData,
                                plan: CapacityPlan, run_dir: str, host: HostConfig | None = None) -> HiddenStates:
     """-> HiddenStates. ``plan`` (the capacity plan) only keys the cache.
@@ -28,7 +28,7 @@ def extract_hidden_states_task(cfg: ExtractConfig, verifier: VerifierIdentity, p
     resumes from the store's manifest.
     """
     cfg = ExtractConfig.model_validate(cfg)
-    out_dir = stage_dir(run_dir, "extract-hidden-states")
+    out_dir = stage_dir(run_dir)
     cfg = cfg.with_smaller_batches(attempt_batch_scale())  # an OOM retry resumes at half the token budget
     progress = artifacts.ProgressArtifact("extract-progress", "hidden-state extraction")
     r = extract_hidden_states(cfg, prepared, out_dir / "store", verifier=verifier, guard=gpu_guard(host),

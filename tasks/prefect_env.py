@@ -1,5 +1,5 @@
 """The Prefect settings this project relies on, in one place; environment defaults set BEFORE Prefect is imported;
-and the local ``prefect server start`` that tests and scripts/ui_screenshots.py run against.
+and the local ``prefect server start`` that tests and tools/ui_screenshots.py run against.
 
 Prefect reads most of these once, when it is imported (the logging setup attaches the API handler to
 PREFECT_LOGGING_EXTRA_LOGGERS then; the SDK's analytics start then), so ``apply_prefect_env_defaults()`` must run
@@ -68,7 +68,7 @@ def start_local_server(home: Path, ui: bool = False, extra_env: Mapping[str, str
     """``prefect server start`` on a free loopback port, SQLite under ``home`` (its PREFECT_HOME), every service
     (automations included), output to ``home/server.log``; returns once /api/health answers (within
     EPHEMERAL_STARTUP_TIMEOUT_SECONDS) with the process (its own process group) and the environment that points
-    CLI calls and flow processes at it. For tests and scripts/ui_screenshots.py; stop it with ``stop_process_group``.
+    CLI calls and flow processes at it. For tests and tools/ui_screenshots.py; stop it with ``stop_process_group``.
     ``ui_api_url``: where the UI in a browser calls the API (default: this server's API; another value reproduces a
     server whose UI cannot reach it).
     """

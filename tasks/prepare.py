@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from eagle3.prepare import DataSources, PrepareConfig, PreparedData, prepare_data
+from eagle3.chat.sources import DataSources
+from eagle3.prepare import PrepareConfig, PreparedData, prepare_data
 from tasks import artifacts
 from tasks.common import stage_dir, stage_task
 
 
-@stage_task("prepare-data")
+@stage_task(PreparedData)
 def prepare_data_task(cfg: PrepareConfig, sources: DataSources, tokenizer: DataSources,
                       run_dir: str) -> PreparedData:
     """-> PreparedData. ``sources`` and ``tokenizer`` (their content fingerprints) key the cache, not their paths."""
-    out_dir = stage_dir(run_dir, "prepare-data")
+    out_dir = stage_dir(run_dir)
     prepared = prepare_data(PrepareConfig.model_validate(cfg), out_dir)
     stats = prepared.stats
     artifacts.table("dataset-stats", [

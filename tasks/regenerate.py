@@ -13,19 +13,22 @@ from eagle3.prepare import PrepareConfig, PreparedData
 from eagle3.regenerate.config import RegenerateConfig
 from eagle3.regenerate.stage import RegeneratedData, regenerate
 from eagle3.support.verifier import VerifierIdentity
+from eagle3.validate.config import ValidateConfig
 from tasks import artifacts
 from tasks.common import attempt_batch_scale, gpu_guard, stage_dir, stage_task
 
 
-@stage_task("regenerate", oom_retries=2)
+@stage_task(RegeneratedData, oom_retries=2)
 def regenerate_task(cfg: RegenerateConfig, prepare: PrepareConfig, verifier: VerifierIdentity,
                     prepared: PreparedData, run_dir: str, host: HostConfig | None = None,
-                    reuse_only: bool = False) -> RegeneratedData:
+                    reuse_only: bool = False, baseline_for: ValidateConfig | None = None) -> RegeneratedData:
     """-> RegeneratedData: conversations.jsonl with the verifier's own answers, and the generation stats.
 
     ``reuse_only`` (not part of the key): fail instead of generating, for flows that must find it done (extraction
-    shards on several hosts). An OOM retry runs at half the batch of rows."""
-    out_dir = stage_dir(run_dir, "regenerate")
+    shards on several hosts). ``baseline_for`` (not part of the key): the run's validation settings, whose
+    verifier-alone baseline the same engine session generates when the engines match. An OOM retry runs at half
+    the batch of rows."""
+    out_dir = stage_dir(run_dir)
     if reuse_only:
         raise RuntimeError(f"the regenerated conversations of this configuration are not there yet ({out_dir}): run "
                            f"the eagle3-prepare flow (deployment kimi-k2.5-prepare) once before the extraction shards, "
@@ -33,7 +36,8 @@ def regenerate_task(cfg: RegenerateConfig, prepare: PrepareConfig, verifier: Ver
     cfg = RegenerateConfig.model_validate(cfg).with_smaller_batches(attempt_batch_scale())
     progress = artifacts.ProgressArtifact("regenerate-progress", "response regeneration")
     r = regenerate(cfg, prepared, PrepareConfig.model_validate(prepare), verifier, out_dir, guard=gpu_guard(host),
-                   on_progress=progress)
+                   on_progress=progress,
+                   validation=ValidateConfig.model_validate(baseline_for) if baseline_for is not None else None)
     artifacts.table("regenerate-stats", [
         {"metric": "conversations in", "value": r.rows_in},
         {"metric": "conversations written", "value": r.rows_written},

@@ -11,8 +11,10 @@ from pathlib import Path
 
 from prefect import task
 
+from eagle3.chat.encoder import ChatSettings
+from eagle3.chat.sources import DataSources
 from eagle3.config import HostConfig
-from eagle3.prepare import DataSources
+from eagle3.regenerate.stage import RegeneratedData
 from eagle3.support.display import NOT_MEASURED, measured, sig
 from eagle3.train.stage import DraftCheckpoint
 from eagle3.validate.config import ValidateConfig
@@ -68,23 +70,29 @@ def publish(report: ValidationReport) -> None:
 
 @task(name="validate-checkpoint")
 def validate_checkpoint_task(cfg: ValidateConfig, draft_dir: str, verifier_path: str, prompts_path: str | None,
-                             out_dir: str, host: HostConfig | None = None) -> ValidationReport:
+                             out_dir: str, host: HostConfig | None = None,
+                             chat: ChatSettings | None = None) -> ValidationReport:
     """Any checkpoint folder: structural check -> vLLM check -> offline parity (if enabled) -> report files in
-    ``out_dir``. ``prompts_path`` None = ``cfg.prompts_path``."""
+    ``out_dir``. ``prompts_path`` None = ``cfg.prompts_path``; ``chat`` None = the verifier's own tokenizer and
+    template (pass the settings the draft's data was prepared with when they override the template)."""
     with logs_from_all_threads():
         report = validate_draft(ValidateConfig.model_validate(cfg), draft_dir, out_dir, verifier=verifier_path,
-                                prompts_path=prompts_path, guard=gpu_guard(host))
+                                prompts_path=prompts_path, chat=chat, guard=gpu_guard(host))
         publish(report)
     return report
 
 
-@stage_task("validate-draft")
+@stage_task(ValidationReport)
 def validate_draft_task(cfg: ValidateConfig, checkpoint: DraftCheckpoint, prompts: DataSources, run_dir: str,
-                        host: HostConfig | None = None) -> ValidationReport:
+                        chat: ChatSettings | None = None, tokenizer: DataSources | None = None,
+                        regenerated: RegeneratedData | None = None, host: HostConfig | None = None) -> ValidationReport:
     """The pipeline stage: the train stage's checkpoint against its verifier on the prompts of ``prompts`` (their
-    content keys the cache, so edited prompts are re-validated)."""
-    out_dir = stage_dir(run_dir, "validate-draft")
+    content keys the cache, so edited prompts are re-validated), rendered with the chat settings prepare used
+    (``chat``; ``tokenizer`` is their content identity, for the cache key); ``regenerated``: the regeneration
+    whose engine session may have generated the verifier-alone baseline (eagle3.validate.baseline)."""
+    out_dir = stage_dir(run_dir)
     report = validate_draft(ValidateConfig.model_validate(cfg), checkpoint, out_dir,
-                            prompts_path=prompts.sources[0], guard=gpu_guard(host))
+                            prompts_path=prompts.sources[0], chat=chat, guard=gpu_guard(host),
+                            baselines_dir=regenerated.baselines_dir if regenerated is not None else None)
     publish(report)
     return report

@@ -10,11 +10,11 @@ from tasks import artifacts
 from tasks.common import stage_dir, stage_task
 
 
-@stage_task("build-vocab")
+@stage_task(VocabMapping)
 def build_vocab_task(cfg: VocabConfig, verifier: VerifierIdentity, prepared: PreparedData,
                      run_dir: str) -> VocabMapping:
     """-> VocabMapping: mapping.safetensors (d2t, t2d) + report.json, coverage of assistant-token occurrences."""
-    out_dir = stage_dir(run_dir, "build-vocab")
+    out_dir = stage_dir(run_dir)
     vocab = build_vocab(VocabConfig.model_validate(cfg), prepared, verifier.spec().vocab_size, out_dir)
     artifacts.table("vocab-coverage", [
         {"metric": "draft vocab size (tokens)", "value": vocab.draft_vocab_size},

@@ -1,4 +1,7 @@
-"""Shared tiny models for tests, built from configs in this one place (deterministic seeds, nothing downloaded).
+"""Fixtures and the vLLM rule of the test session; the builders and constants they use live in tests/helpers.py
+(tests import those from there, never from this file or from another test module).
+
+Shared tiny models for tests, built from configs in one place (deterministic seeds, nothing downloaded).
 
 * ``tiny_llama_verifier``: a random-init 4-layer Llama saved with save_pretrained (float32), plus the bundled
   tokenizer when it exists, for tests that need a real model folder but not a trained one.
@@ -16,139 +19,24 @@ host: workers, deployments, automations; the UI off). One of each per test sessi
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import (
+    BUNDLED_VERIFIER,
+    KIMI_SHAPED_SMALL,
+    REPO,
+    make_store,
+    save_kimi_like_target,
+    save_tiny_llama,
+)
 
 from tasks.prefect_env import apply_prefect_env_defaults, start_local_server, stop_process_group
 
 # Prefect reads its logging and analytics settings when it is first imported: set ours before any test imports it
 apply_prefect_env_defaults()
-
-REPO = Path(__file__).resolve().parent.parent
-BUNDLED_VERIFIER = REPO / "models" / "tiny-chat-verifier"
-BUNDLED_DATA = REPO / "data" / "stdlib-chat"
-
-TINY_LLAMA = dict(  # noqa: C408 - reads like the config it is
-    vocab_size=8192,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=2048,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
-
-TINY_DEEPSEEK_V3 = dict(  # noqa: C408 - reads like the config it is
-    vocab_size=1024,
-    hidden_size=64,
-    intermediate_size=128,
-    moe_intermediate_size=32,
-    num_hidden_layers=6,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    n_shared_experts=1,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    first_k_dense_replace=1,
-    n_group=1,
-    topk_group=1,
-    kv_lora_rank=16,
-    q_lora_rank=32,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=16,
-    v_head_dim=16,
-    max_position_embeddings=2048,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
-
-
-def save_tiny_llama(out: Path, seed: int = 0, **overrides) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(**{**TINY_LLAMA, **overrides})
-    model = LlamaForCausalLM(cfg).eval()
-    model.save_pretrained(out, safe_serialization=True)
-    if (BUNDLED_VERIFIER / "tokenizer.json").exists() and cfg.vocab_size == 8192:
-        for f in BUNDLED_VERIFIER.iterdir():
-            if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-                shutil.copy(f, out / f.name)
-    return out
-
-
-def save_kimi_like_target(out: Path, seed: int = 0, shard_size: str = "200KB") -> Path:
-    """DeepseekV3 language model nested like Kimi-K2.5: weights `language_model.<hf name>`, config `text_config`."""
-    from safetensors.torch import save_file
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = DeepseekV3Config(**TINY_DEEPSEEK_V3)
-    model = DeepseekV3ForCausalLM(cfg).eval()
-    out.mkdir(parents=True, exist_ok=True)
-    state = {f"language_model.{k}": v.contiguous() for k, v in model.state_dict().items()}
-    # shard by a byte budget, as save_pretrained does, so the three head tensors land in different files
-    budget = 200_000
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in state.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > budget:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / fname), metadata={"format": "pt"})
-        weight_map.update({k: fname for k in shard})
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
-                    "weight_map": weight_map}, indent=2)
-    )
-    text_config = cfg.to_dict()
-    text_config["torch_dtype"] = "float32"
-    (out / "config.json").write_text(
-        json.dumps({"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-                    "text_config": text_config, "torch_dtype": "float32"}, indent=2)
-    )
-    return out
-
-
-def vocab_tables(vocab: int, draft_vocab: int, seed: int | None = 0, kept=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t, t2d) of a draft vocabulary: the target ids ``kept`` (ascending), else ``draft_vocab`` random ids
-    (``seed``), else (seed None) every other id 0, 2, 4, ...; built by the library's one owner, eagle3.vocab."""
-    from eagle3.vocab import tables_for
-
-    if kept is None:
-        kept = (torch.arange(0, 2 * draft_vocab, 2) if seed is None else
-                torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:draft_vocab].sort().values)
-    return tables_for(torch.as_tensor(kept), vocab)
-
-
-def make_dataset(path: Path, lengths: list[int], vocab: int, seed: int = 0) -> Path:
-    """A prepared-dataset folder (the prepare stage's Arrow layout) of random token ids; the last two thirds of
-    each sample are loss-masked (assistant)."""
-    import datasets
-
-    g = torch.Generator().manual_seed(seed)
-    ids = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
-    mask = [[int(j >= n // 3) for j in range(n)] for n in lengths]
-    ds = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": mask},
-                                    features=datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
-                                                                "loss_mask": datasets.Sequence(datasets.Value("int8"))}))
-    ds.save_to_disk(str(path))
-    return path
 
 
 def vllm_env_problem() -> str | None:
@@ -191,12 +79,6 @@ def kimi_like_target(tmp_path_factory) -> Path:
     return save_kimi_like_target(tmp_path_factory.mktemp("kimi-like") / "target")
 
 
-# a Kimi-shaped verifier at test size: Kimi-K2.5's MLA widths (vLLM's CPU MLA kernel needs kv_lora_rank + rope = 576),
-# yarn rope, routing and nested layout (tools/kimi_mini.py), random weights, small hidden / layers / experts
-KIMI_SHAPED_SMALL = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,  # noqa: C408
-                         num_hidden_layers=4, n_routed_experts=4)
-
-
 @pytest.fixture(scope="session")
 def kimi_shaped(tmp_path_factory) -> Path:
     from tools.kimi_mini import random_kimi_shaped
@@ -204,17 +86,31 @@ def kimi_shaped(tmp_path_factory) -> Path:
     return random_kimi_shaped(tmp_path_factory.mktemp("kimi-shaped") / "verifier", **KIMI_SHAPED_SMALL)
 
 
+@pytest.fixture(scope="module")
+def random_store(tiny_llama_verifier, tmp_path_factory):
+    """40 random-token samples of 20-120 tokens (the last two thirds are 'assistant') through the random tiny
+    Llama: states are real, the teacher is not meaningful (fine for the mechanics)."""
+    g = torch.Generator().manual_seed(0)
+    ids, masks = [], []
+    for _ in range(40):
+        n = int(torch.randint(20, 120, (1,), generator=g))
+        ids.append(torch.randint(0, 300, (n,), generator=g).tolist())
+        masks.append([0] * (n // 3) + [1] * (n - n // 3))
+    return make_store(tmp_path_factory.mktemp("random-store"), tiny_llama_verifier, ids, masks, [1, 2, 3], 256,
+                      8192)
+
+
 @pytest.fixture(scope="session")
 def bundled_verifier() -> Path:
     if not (BUNDLED_VERIFIER / "model.safetensors").exists():
-        pytest.fail(f"bundled verifier missing at {BUNDLED_VERIFIER}: run scripts/build_tiny_verifier.py")
+        pytest.fail(f"bundled verifier missing at {BUNDLED_VERIFIER}: run tools/build_tiny_verifier.py")
     return BUNDLED_VERIFIER
 
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
     """SmolLM2-135M-Instruct, converted by scripts/setup_envs.sh (a real instruct LLM: 30 layers, hidden 576)."""
-    from eagle3.support.gguf_convert import SMOLLM2_DIR, is_converted, smollm2_source
+    from tools.gguf_convert import SMOLLM2_DIR, is_converted, smollm2_source
 
     if not is_converted(SMOLLM2_DIR, smollm2_source()):
         pytest.fail(f"SmolLM2 verifier missing at {SMOLLM2_DIR}: run scripts/setup_envs.sh")
@@ -231,15 +127,6 @@ def one_torch_thread():
 
 
 # ---------------------------------------------------------------- Prefect servers
-
-BIN = Path(sys.executable).parent  # the pipeline venv's bin (prefect CLI)
-
-
-def start_process(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
-    """A long-running helper process (server, worker) in its own process group, output to ``log``."""
-    with open(log, "ab") as out:
-        return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
 
 @pytest.fixture(scope="session")
 def prefect_harness(tmp_path_factory):

@@ -12,11 +12,11 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO
+from helpers import REPO
 from safetensors import safe_open
 
-from scripts import tiny_verifier as bundled
-from scripts.tiny_verifier import (
+from tools import tiny_verifier as bundled
+from tools.tiny_verifier import (
     DEFAULT_DATA_DIR,
     DEFAULT_MODEL_DIR,
     build_stdlib_conversations,
@@ -148,7 +148,7 @@ def test_builder_is_deterministic_across_processes_and_hash_seeds():
     here = dump(build_stdlib_conversations(SUBSET))
     assert here == dump(build_stdlib_conversations(list(reversed(SUBSET))))
     code = (
-        "import json, sys; from scripts.tiny_verifier import build_stdlib_conversations as b; "
+        "import json, sys; from tools.tiny_verifier import build_stdlib_conversations as b; "
         "print(json.dumps([[c.id, c.module, c.split, c.messages] for c in b(sys.argv[1:])]))"
     )
     env = dict(os.environ, PYTHONHASHSEED="12345")

@@ -9,8 +9,15 @@ import datasets
 import pytest
 import torch
 
-from eagle3.capacity import CapacityConfig, CapacityError, plan_store, sample_lengths, store_file_bytes
-from eagle3.extract.store import serialize_sample
+from eagle3.capacity import (
+    CapacityConfig,
+    CapacityError,
+    plan_store,
+    plan_training_time,
+    sample_lengths,
+    store_file_bytes,
+)
+from eagle3.store import serialize_sample
 from eagle3.support.dtypes import torch_dtype
 from eagle3.support.verifier import VerifierError
 
@@ -134,3 +141,61 @@ def test_fsspec_destination_without_free_space_is_unknown_not_refused(kimi_confi
 def test_out_of_range_aux_layer_is_a_clear_error(kimi_config, tmp_path):
     with pytest.raises(VerifierError, match=r"aux_layer_ids \[61\] out of range .* 61 layers"):
         plan_store(kimi_config, [2, 30, 61], "bfloat16", [512], tmp_path, CapacityConfig(), 512)
+
+
+def test_verifier_loads_per_run_and_the_shared_baseline():
+    """The plan counts every verifier load of a run. kimi-k2.5: regeneration, extraction, and validation's draft
+    engine alone (its verifier-alone baseline comes from regeneration's engine session: the same bfloat16, tensor
+    parallel 8): 3 loads, not 4. Any difference between the two engines, or a drift-cancelling speed schedule,
+    and validation starts its own baseline engine."""
+    from eagle3.capacity import loads_summary, verifier_loads
+    from eagle3.config import load_config
+
+    kimi = load_config("kimi-k2.5")
+    loads, problem = verifier_loads(kimi.extract_config(), kimi.regenerate_config(), "bfloat16", kimi.validate_config)
+    assert problem is None and [ld.stage for ld in loads] == ["regenerate", "extract-hidden-states", "validate-draft"]
+    assert "1:06:00 (h:mm:ss) of loading" in loads_summary(loads, 1320.0, problem, True)
+
+    cases = {  # overrides -> (loads, why validation starts its own verifier-alone engine)
+        "validate.dtype": ("float32", 4, "validation serves in float32, regeneration generates in bfloat16"),
+        "validate.speed_schedule": ("ABA", 5, "speed_schedule 'ABA'"),
+        "regenerate.enabled": (False, 3, "regeneration is off"),
+        "validate.engine.enforce_eager": (False, 4, "engine.enforce_eager differs"),
+        "validate.compare_untrained": (True, 4, None),
+    }
+    for key, (value, n, why) in cases.items():
+        c = load_config("kimi-k2.5", {key: value})
+        loads, problem = verifier_loads(c.extract_config(), c.regenerate_config(), "bfloat16", c.validate_config)
+        assert len(loads) == n, (key, loads)
+        assert (problem is None) if why is None else (why in problem), (key, problem)
+
+    tiny = load_config("tiny")  # transformers extraction, no regeneration, offline reference: in-process loads too
+    loads, problem = verifier_loads(tiny.extract_config(), tiny.regenerate_config(), None, tiny.validate_config)
+    assert [(ld.engine, ld.what) for ld in loads] == [
+        ("transformers", "hidden states"), ("vLLM", "verifier + trained draft"), ("vLLM", "verifier alone (baseline)"),
+        ("vLLM", "verifier + untrained draft"), ("transformers", "offline reference")]
+def test_training_time_counts_the_nodes_and_the_network_between_them(tmp_path):
+    """The kimi-k2.5 preset on one host reproduces the original run (1,000 samples x 10 epochs, 28 minutes on 8 GPUs);
+    on two hosts the compute halves and every optimizer step adds the gradient all-reduce between the hosts."""
+    from eagle3.config import load_config
+    from eagle3.support.verifier import VerifierSpec
+
+    text = {"model_type": "kimi_k2", "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 61,
+            "num_attention_heads": 64, "num_key_value_heads": 64, "v_head_dim": 128, "kv_lora_rank": 512,
+            "vocab_size": 163840, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"}  # what sizes the draft
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["KimiK25ForConditionalGeneration"],
+                                                      "model_type": "kimi_k25", "text_config": text}))
+    spec = VerifierSpec.from_path(tmp_path)
+    one = plan_training_time(load_config("kimi-k2.5").training_shape(), spec, KIMI_AUX, 1000, CapacityConfig())
+    assert (one.gpus, one.nodes, one.train_samples, one.network_seconds) == (8, 1, 950, 0.0)
+    assert one.seconds == pytest.approx(28 * 60, rel=0.01)
+    two = plan_training_time(load_config("kimi-k2.5-2nodes").training_shape(), spec, KIMI_AUX, 1000, CapacityConfig())
+    assert two.gpus == 16 and two.compute_seconds == pytest.approx(one.compute_seconds / 2)
+    assert two.optimizer_steps == 10 * 60  # ceil(950 / 16) steps per epoch
+    assert two.trainable_parameters == 1_190_948_864  # docs/DESIGN.md's memory plan counts the same draft
+    assert two.allreduce_bytes_per_step == 4 * two.trainable_parameters  # 2 (n - 1) / n = 1 for two hosts
+    assert two.network_seconds == pytest.approx(600 * two.allreduce_bytes_per_step / 50e9)
+    slow = plan_training_time(load_config("kimi-k2.5-2nodes").training_shape(), spec, KIMI_AUX, 1000,
+                              CapacityConfig(internode_bytes_per_second=12.5e9))  # one 100 Gb/s link
+    assert slow.network_seconds == pytest.approx(4 * two.network_seconds)
+    assert "on 2 hosts x 8 GPUs" in two.summary(10) and "gradient all-reduce between hosts" in two.summary(10)

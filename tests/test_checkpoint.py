@@ -8,14 +8,11 @@ import textwrap
 
 import pytest
 import torch
-from conftest import vocab_tables
+from helpers import tiny_draft
 from safetensors import safe_open
 
 from eagle3.draft import checkpoint as ckpt
-from eagle3.draft.config import DraftConfig
-from eagle3.draft.model import Eagle3Draft
 from eagle3.support.paths import REPO_ROOT, vllm_python, vllm_subprocess_env
-from eagle3.support.verifier import VerifierSpec
 
 CONTRACT = {
     "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
@@ -25,15 +22,8 @@ CONTRACT = {
 }
 
 
-def _draft(verifier, dtype: str = "bfloat16", draft_vocab: int = 256) -> Eagle3Draft:
-    spec = VerifierSpec.from_path(verifier)
-    d2t, t2d = vocab_tables(spec.vocab_size, draft_vocab, seed=None)
-    cfg = DraftConfig.build(spec, draft_vocab, [1, 2, 3], torch_dtype=dtype)
-    return Eagle3Draft.from_verifier(cfg, verifier, d2t, t2d)
-
-
 def test_vllm_folder_layout_dtype_and_provenance(tiny_llama_verifier, tmp_path):
-    draft = _draft(tiny_llama_verifier)
+    draft = tiny_draft(tiny_llama_verifier)
     folder = ckpt.save_draft(tmp_path / "epoch-001", draft.config, draft.state_dict(),
                              {"verifier": str(tiny_llama_verifier), "run_config": {"lr": 1e-4}})
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "eagle3_run.json", "model.safetensors"]
@@ -57,7 +47,7 @@ def test_vllm_folder_layout_dtype_and_provenance(tiny_llama_verifier, tmp_path):
 
 
 def test_embedding_saved_when_asked_and_float32_exact(tiny_llama_verifier, tmp_path):
-    draft = _draft(tiny_llama_verifier, dtype="float32")
+    draft = tiny_draft(tiny_llama_verifier, dtype="float32")
     folder = ckpt.save_draft(tmp_path / "d", draft.config, draft.state_dict(), {}, include_embedding=True)
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         assert set(f.keys()) == CONTRACT | {"embed_tokens.weight"}
@@ -66,7 +56,7 @@ def test_embedding_saved_when_asked_and_float32_exact(tiny_llama_verifier, tmp_p
 
 
 def test_load_errors_name_the_file(tiny_llama_verifier, tmp_path):
-    draft = _draft(tiny_llama_verifier, dtype="float32")
+    draft = tiny_draft(tiny_llama_verifier, dtype="float32")
     folder = ckpt.save_draft(tmp_path / "d", draft.config, draft.state_dict(), {})
     with pytest.raises(ckpt.CheckpointError, match="no embed_tokens.weight and no verifier path"):
         ckpt.load_draft(folder)
@@ -121,10 +111,10 @@ def test_keep_last_n_never_deletes_best(tmp_path):
 def test_vllm_loads_the_checkpoint_and_drafts(tmp_path):
     """The real vLLM CPU build loads a saved draft (no embedding in the file: vLLM shares the verifier's) and runs
     EAGLE-3 speculative decoding with it. head_dim 32: vLLM's CPU attention has no kernel for 16."""
-    from conftest import save_tiny_llama
+    from helpers import save_tiny_llama
 
     verifier = save_tiny_llama(tmp_path / "verifier", hidden_size=128)
-    draft = _draft(verifier, dtype="float32")
+    draft = tiny_draft(verifier, dtype="float32")
     folder = ckpt.save_draft(tmp_path / "draft", draft.config, draft.state_dict(), {"verifier": str(verifier)})
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(f"""
@@ -160,12 +150,12 @@ def test_written_safetensors_get_the_usual_file_mode(tiny_llama_verifier, tmp_pa
     code = textwrap.dedent(f"""
         import sys, torch
         sys.path.insert(0, "tests")
-        from test_checkpoint import _draft
+        from helpers import tiny_draft
         from eagle3.draft import checkpoint as ckpt
         from eagle3.extract.vllm_backend import write_work_file
         from eagle3.vocab import save_mapping
         out = {str(tmp_path)!r}
-        draft = _draft({str(tiny_llama_verifier)!r})
+        draft = tiny_draft({str(tiny_llama_verifier)!r})
         ckpt.save_draft(out + "/epoch-001", draft.config, draft.state_dict(), {{}})
         ckpt.save_trainer_state(out + "/latest", {{"w": torch.ones(3)}})
         d2t, t2d = draft.d2t, draft.t2d

@@ -17,7 +17,9 @@ import pytest
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
-from eagle3.prepare import ChatEncoder, DataError, PrepareConfig, prepare_data
+from eagle3.chat.encoder import ChatEncoder
+from eagle3.chat.errors import DataError
+from eagle3.prepare import PrepareConfig, prepare_data
 from eagle3.support.io import fingerprint_paths
 
 REPO = Path(__file__).resolve().parent.parent
@@ -454,3 +456,34 @@ def test_outputs_stats_and_dataset_columns(tmp_path):
         PrepareConfig(sources=[src], tokenizer_path=str(BUNDLED_TOKENIZER), max_seq=10)
     with pytest.raises(ValidationError):
         PrepareConfig(sources=[], tokenizer_path=str(BUNDLED_TOKENIZER))
+
+
+def test_template_override_renders_identical_prompts_in_prepare_regenerate_and_validate(tmp_path):
+    """One chat layer: with ``data.chat_template`` overridden, the prompt the verifier answers during regeneration
+    (the driver's encoder, built from the JSON job it receives), the prompt validation sends to vLLM and the
+    offline reference, and the prefix that precedes the first answer in the prepared training sample are the same
+    token ids, and they are the override's rendering, not the tokenizer's own."""
+    from eagle3.chat.encoder import ChatSettings
+    from eagle3.chat.sources import read_prompt_messages
+    from eagle3.config import load_config
+    
+    override = ("{%- for m in messages %}{{- '### ' + m.role + ':\\n' + m.content + '\\n' }}{%- endfor %}"
+                "{%- if add_generation_prompt %}{{- '### assistant:\\n' }}{%- endif %}")
+    rows = [{"messages": m} for m in CONVERSATIONS]
+    src = write_jsonl(tmp_path / "rows.jsonl", rows)
+    config = load_config("tiny", {"data": {"sources": [str(src)], "chat_template": override}})
+
+    prepared = load(prepare_data(config.prepare_config(), tmp_path / "data"))
+    job_chat = json.loads(json.dumps({"chat": config.prepare_config().chat_settings().model_dump()}))["chat"]
+    regen_encoder = ChatSettings.model_validate(job_chat).encoder()  # as eagle3.regenerate.vllm_worker builds it
+    validate_ids = config.chat_settings().held_out_prompt_ids(src, len(rows))
+    own = ChatSettings(tokenizer_path=str(BUNDLED_TOKENIZER)).encoder()
+
+    firsts = read_prompt_messages(src, len(rows))  # the conversation up to its first user turn
+    assert len(prepared) == len(rows) == len(validate_ids)
+    for i, ids, mask in zip(prepared["source_index"], prepared["input_ids"], prepared["loss_mask"]):
+        (regen,) = regen_encoder.prompt_ids([firsts[i]])
+        assert regen == validate_ids[i], i
+        assert ids[:len(regen)] == regen and not any(mask[:len(regen)]) and mask[len(regen)] == 1, i
+        assert own.prompt_ids([firsts[i]])[0] != regen, i  # the override really rendered it
+        assert regen_encoder.tokenizer.decode(regen).endswith("### assistant:\n"), i

@@ -16,7 +16,7 @@ import time
 import uuid
 
 import pytest
-from conftest import BIN, REPO, start_process
+from helpers import BIN, REPO, prefect_client, start_process, wait_for
 
 from tasks.crash_detection import AUTOMATION_NAME, DEFAULT_WINDOW_SECONDS, ensure_zombie_automation
 
@@ -26,15 +26,6 @@ def _without_venv(env: dict) -> dict:
     path = [p for p in env.get("PATH", "").split(os.pathsep) if p and os.path.realpath(p) != os.path.realpath(BIN)]
     env = {k: v for k, v in env.items() if k not in ("VIRTUAL_ENV", "PREFECT", "PYTHONPATH")}
     return {**env, "PATH": os.pathsep.join(path or ["/usr/bin", "/bin"])}
-
-
-@contextlib.contextmanager
-def _client(env: dict):
-    from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as client:
-        yield client
 
 
 @pytest.mark.slow
@@ -52,7 +43,7 @@ def test_setup_script_as_the_readme_shows(prefect_server, tmp_path):
                          cwd=tmp_path, env=shell, capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "unchanged" in out.stdout
-    with _client(env) as client:
+    with prefect_client(env) as client:
         assert client.read_work_pool("gpu-host").type == "process"
         assert client.read_global_concurrency_limit_by_name("gpu-host-gpus").limit == 4
         (automation,) = client.read_automations_by_name(AUTOMATION_NAME)
@@ -83,7 +74,7 @@ def _deploy_tiny(env: dict, pool: str) -> list[dict]:
     out = subprocess.run([str(BIN / "prefect"), "--no-prompt", "deploy", "--name", "tiny", "--pool", pool], env=env,
                          cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
-    with _client(env) as client:
+    with prefect_client(env) as client:
         return client.read_deployment_by_name("eagle3-pipeline/tiny").pull_steps
 
 
@@ -134,17 +125,6 @@ def _heartbeat_seen(client, flow_run_id: str) -> bool:
     return bool(page.events)
 
 
-def _wait(what: str, check, deadline_s: float, every_s: float = 1.0):
-    deadline = time.monotonic() + deadline_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {deadline_s:.0f} s")
-        time.sleep(every_s)
-
-
 @pytest.mark.slow
 def test_kill_9_flow_run_is_marked_crashed_and_a_live_one_is_not(prefect_server, tmp_path):
     env, _ = prefect_server
@@ -162,10 +142,10 @@ def test_kill_9_flow_run_is_marked_crashed_and_a_live_one_is_not(prefect_server,
             marker = tmp_path / f"{role}.id"
             script = textwrap.dedent(_FLOW.format(repo=str(REPO), marker=str(marker)))
             procs[role] = (start_process([sys.executable, "-c", script], flow_env, tmp_path / f"{role}.log"), marker)
-        ids = {role: _wait(f"{role} flow run started", lambda m=m: m.exists() and m.read_text(), 180)
+        ids = {role: wait_for(f"{role} flow run started", lambda m=m: m.exists() and m.read_text(), 180)
                for role, (_, m) in procs.items()}
-        with _client(env) as client:
-            _wait("first heartbeat of the run to be killed", lambda: _heartbeat_seen(client, ids["killed"]), 120)
+        with prefect_client(env) as client:
+            wait_for("first heartbeat of the run to be killed", lambda: _heartbeat_seen(client, ids["killed"]), 120)
             os.killpg(procs["killed"][0].pid, signal.SIGKILL)
             procs["killed"][0].wait(30)
             killed_at = time.monotonic()
@@ -174,7 +154,7 @@ def test_kill_9_flow_run_is_marked_crashed_and_a_live_one_is_not(prefect_server,
                 state = client.read_flow_run(ids["killed"]).state
                 return state if state.type.value == "CRASHED" else None
 
-            state = _wait("kill -9'ed run marked Crashed", crashed, window_s + 90)
+            state = wait_for("kill -9'ed run marked Crashed", crashed, window_s + 90)
             assert name in (state.message or ""), state
             assert time.monotonic() - killed_at >= window_s - heartbeat_s - 5  # not before the window could end
             alive = client.read_flow_run(ids["alive"]).state
@@ -184,6 +164,6 @@ def test_kill_9_flow_run_is_marked_crashed_and_a_live_one_is_not(prefect_server,
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
-        with _client(env) as client:
+        with prefect_client(env) as client:
             for automation in client.read_automations_by_name(name):
                 client.delete_automation(automation.id)

@@ -9,13 +9,13 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from conftest import make_dataset
+from helpers import make_dataset
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from eagle3.extract import hf_backend
 from eagle3.extract.stage import ExtractError, extract_hidden_states
-from eagle3.extract.store import MANIFEST, HiddenStateStore, StoreError
+from eagle3.store import MANIFEST, HiddenStateStore, StoreError
 from eagle3.support.dtypes import resolve_compute_dtype, torch_dtype
 from eagle3.support.gpu import OutOfMemoryAfterRetries, is_oom_error
 from eagle3.support.verifier import VerifierError, load_verifier_head
@@ -248,7 +248,7 @@ def test_bad_input_one_clear_error_each(tiny_llama_verifier, tmp_path):
     with pytest.raises(ExtractError, match=r"lacks column\(s\) \['input_ids'\]"):
         extract_hidden_states(_cfg(tiny_llama_verifier, tmp_path), no_ids, tmp_path / "s4")
     big = make_dataset(tmp_path / "big_ids", [5, 6], 9000, seed=11)
-    with pytest.raises(ExtractError, match=r"sample [01] has token ids outside 0\.\.8191"):
+    with pytest.raises(ExtractError, match=r"sample [01]: token id \d+ outside the verifier's vocabulary \[0, 8192\)"):
         extract_hidden_states(_cfg(tiny_llama_verifier, tmp_path), big, tmp_path / "s5")
     for d in ("s1", "s2", "s3", "s4", "s5"):  # nothing half-written
         assert not (tmp_path / d / MANIFEST).exists()
@@ -317,7 +317,7 @@ def test_quarantined_sample_alone_is_extracted_again_and_the_fingerprint_holds(t
     """A sample the trainer's first-read check quarantined is the only one extracted again; its states come back
     bit-identical (one sample per forward both times), so the store's fingerprint is the same: training stays
     cached."""
-    from eagle3.extract.store import CorruptSample
+    from eagle3.store import CorruptSample
 
     ds = make_dataset(tmp_path / "ds", LENGTHS, 8192, seed=7)
     cfg = _cfg(tiny_llama_verifier, tmp_path, max_samples_per_batch=1)

@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import make_dataset
+from helpers import make_dataset
 
 from eagle3.extract.stage import extract_hidden_states
-from eagle3.extract.store import MANIFEST, HiddenStateStore
+from eagle3.store import MANIFEST, HiddenStateStore
 
 REPO = Path(__file__).resolve().parent.parent
 N = 90  # samples; the kill lands in the first third, so at least 60 remain to be cut off (>= 30 forwards)

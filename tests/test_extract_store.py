@@ -8,15 +8,8 @@ import re
 import pytest
 import torch
 
-from eagle3.extract.store import (
-    MANIFEST,
-    HiddenStateStore,
-    StoreError,
-    init_store,
-    read_manifest,
-    sample_relpath,
-    write_sample,
-)
+from eagle3.extract.writer import write_sample
+from eagle3.store import MANIFEST, HiddenStateStore, StoreError, init_store, read_manifest, sample_relpath
 
 
 def _sample(t: int, n_aux: int = 3, h: int = 8, seed: int = 0):
@@ -112,10 +105,10 @@ def test_sample_bytes_are_identical_in_every_process(tmp_path):
     import subprocess
     import sys
 
-    from conftest import REPO
+    from helpers import REPO
 
     code = ("import hashlib, torch\n"
-            "from eagle3.extract.store import serialize_sample\n"
+            "from eagle3.store import serialize_sample\n"
             "g = torch.Generator().manual_seed(0)\n"
             "t = (torch.randn(7, 24, generator=g), torch.randn(7, 8, generator=g), torch.arange(7), torch.ones(7))\n"
             "print(hashlib.sha256(serialize_sample(*t, torch.bfloat16, 3)).hexdigest())\n")
@@ -124,7 +117,7 @@ def test_sample_bytes_are_identical_in_every_process(tmp_path):
         out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
                              env={**os.environ, "PYTHONHASHSEED": seed})
         digests.add(out.stdout.strip())
-    from eagle3.extract.store import serialize_sample
+    from eagle3.store import serialize_sample
 
     g = torch.Generator().manual_seed(0)
     here = serialize_sample(torch.randn(7, 24, generator=g), torch.randn(7, 8, generator=g), torch.arange(7),
@@ -132,9 +125,10 @@ def test_sample_bytes_are_identical_in_every_process(tmp_path):
     assert digests == {hashlib.sha256(here).hexdigest()}
 
 
-def test_store_fingerprint_depends_on_content_not_paths(tmp_path):
-    """Two stores of the same states, in other folders and from other verifier paths (same verifier content): one
-    fingerprint. Another state in one sample: another fingerprint."""
+def test_store_identity_is_what_was_extracted_not_paths_nor_bytes(tmp_path):
+    """Two stores of the same samples, in other folders and from other verifier paths (same verifier content): one
+    identity. A sample extracted again with states equal to float rounding (another batch composition) keeps it,
+    though its bytes and sha256 differ (a repaired store keeps training's cache key); other tokens change it."""
     fingerprints = []
     for name, verifier in (("a", "/models/tiny"), ("b/deeper", "elsewhere/tiny")):
         init_store(tmp_path / name, verifier=verifier, aux_layer_ids=[1, 2, 3], hidden_size=8, num_samples=4,
@@ -143,7 +137,12 @@ def test_store_fingerprint_depends_on_content_not_paths(tmp_path):
             write_sample(tmp_path / name, i, *_sample(5 + i, seed=i))
         fingerprints.append(HiddenStateStore(tmp_path / name).fingerprint())
     assert fingerprints[0] == fingerprints[1]
-    write_sample(tmp_path / "a", 2, *_sample(7, seed=99))
+    aux, final, ids, mask = _sample(7, seed=2)
+    before = read_manifest(tmp_path / "a")[2]["sha256"]
+    write_sample(tmp_path / "a", 2, aux * (1 + 1e-6), final, ids, mask)  # re-extracted: 1e-6 apart
+    assert read_manifest(tmp_path / "a")[2]["sha256"] != before
+    assert HiddenStateStore(tmp_path / "a").fingerprint() == fingerprints[1]
+    write_sample(tmp_path / "a", 2, aux, final, ids.flip(0), mask)  # other tokens
     assert HiddenStateStore(tmp_path / "a").fingerprint() != fingerprints[1]
 
 
@@ -182,7 +181,7 @@ def test_symlinked_sample_or_folder_is_refused(tmp_path):
 def test_damaged_sample_fails_its_first_read_check_and_is_quarantined(tmp_path):
     """64 KiB zeroed inside a sample keeps its size (the reuse check passes) but not its sha256: the first-read
     check refuses it, moves it aside, and every reader then sees it missing (extraction extracts it again)."""
-    from eagle3.extract.store import QUARANTINE, CorruptSample
+    from eagle3.store import QUARANTINE, CorruptSample
 
     _store(tmp_path, n=4)
     for i in range(3):

@@ -7,11 +7,11 @@ import re
 
 import pytest
 import torch
-from conftest import make_dataset
+from helpers import make_dataset
 
 from eagle3.extract.stage import extract_hidden_states
-from eagle3.extract.store import HiddenStateStore
 from eagle3.extract.vllm_backend import VllmExtractionError
+from eagle3.store import HiddenStateStore
 from eagle3.support.verifier import load_verifier_head
 
 pytestmark = [pytest.mark.vllm]
@@ -46,8 +46,8 @@ def test_vllm_backend_matches_transformers_on_bundled_verifier(bundled_verifier,
 
 def test_vllm_timeout_kills_process_group(bundled_verifier, tmp_path):
     ds = make_dataset(tmp_path / "ds", [9, 5], 8192)
-    with pytest.raises(VllmExtractionError, match="vllm_timeout_seconds=3") as e:
-        extract_hidden_states(_cfg(bundled_verifier, tmp_path, backend="vllm", vllm_timeout_seconds=3), ds,
+    with pytest.raises(VllmExtractionError, match=r"engine.timeout_s=3") as e:
+        extract_hidden_states(_cfg(bundled_verifier, tmp_path, backend="vllm", engine={"timeout_s": 3}), ds,
                               tmp_path / "store")
     pids = [int(x) for x in re.search(r"process group \(pids ([\d, ]+)\)", str(e.value)).group(1).split(", ")]
     assert pids
@@ -65,8 +65,8 @@ def test_vllm_backend_tensor_parallel_gpu(bundled_verifier, tmp_path):
     hf = _cfg(bundled_verifier, tmp_path, device="cuda:0", dtype="bfloat16", store_dtype="bfloat16",
               min_free_gpu_memory_fraction=0.0)
     extract_hidden_states(hf, ds, tmp_path / "hf")
-    extract_hidden_states({**hf, "backend": "vllm", "tensor_parallel_size": tp,
-                           "vllm_gpu_memory_utilization": 0.5}, ds, tmp_path / "vllm")
+    extract_hidden_states({**hf, "backend": "vllm",
+                           "engine": {"tensor_parallel_size": tp, "gpu_memory_utilization": 0.5}}, ds, tmp_path / "vllm")
     a, b = HiddenStateStore(tmp_path / "hf"), HiddenStateStore(tmp_path / "vllm")
     for i in range(len(LENGTHS)):
         torch.testing.assert_close(b.load(i)["final_hidden_state"].float(), a.load(i)["final_hidden_state"].float(),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import BUNDLED_DATA, REPO
+from helpers import BUNDLED_DATA, REPO
 
 from eagle3.config import ConfigError, PipelineConfig, apply_overrides, load_config, parse_set, preset_names
 
@@ -104,7 +104,12 @@ def test_presets_and_prefect_yaml_deployments_load():
     assert kimi.data.max_samples == 1000 and "open-perfectblend" in kimi.data.sources[0]
     assert kimi.train.epochs == 10 and kimi.train.lr == 3e-5 and kimi.train.schedule == "cosine"
     assert kimi.train.val_ratio == 0.05
-    assert kimi.extract.tensor_parallel_size == 8 and kimi.extract.backend == "vllm"
+    assert kimi.extract.backend == "vllm"
+    # one engine section: every stage that starts vLLM inherits tensor parallel 8 and remote code from it
+    for engine in (kimi.extract_config().engine, kimi.regenerate_config().engine, kimi.validate_config.engine):
+        assert engine.tensor_parallel_size == 8 and engine.trust_remote_code
+    assert kimi.prepare_config().trust_remote_code  # the tokenizer's too
+    assert kimi.validate_config.engine.timeout_s == 1800 and kimi.extract_config().engine.timeout_s == 0
 
     import importlib
 
@@ -114,10 +119,19 @@ def test_presets_and_prefect_yaml_deployments_load():
         flow = getattr(module, func)
         params = dep.get("parameters", {})
         assert set(params) <= set(inspect.signature(flow.fn).parameters), dep["name"]
-        PipelineConfig.model_validate(params["config"])
         assert dep["work_pool"]["name"] == "gpu-host"
-        # every deployment, the tiny CPU smoke test too, occupies the host's GPU slots
-        assert params["config"]["host"]["gpu_concurrency_limit"] == "gpu-host-gpus", dep["name"]
+        if func == "eagle3_train_node":  # one node of a multi-node training: the train stage passes everything
+            assert not params, dep["name"]
+            continue
+        config = PipelineConfig.model_validate(params["config"])
+        # every deployment, the tiny CPU smoke tests too, occupies the GPU slots of its host(s): one host's, or
+        # with several nodes each host its own limit (one shared limit would make node 1 wait for node 0's slots)
+        if config.train.nodes == 1:
+            assert config.host.gpu_concurrency_limit == "gpu-host-gpus", dep["name"]
+        else:
+            limits = [h.gpu_concurrency_limit for h in config.placement.hosts]
+            assert len(set(limits)) == config.train.nodes and config.host.gpu_concurrency_limit == limits[0]
+            assert dep["work_pool"]["work_queue_name"] == config.placement.hosts[0].work_queue, dep["name"]
 
 
 def test_cli_overrides_parse_and_merge():
@@ -348,42 +362,66 @@ def test_lost_manifest_reextracts_nothing_and_a_modified_checkpoint_fails_the_ru
 
 @pytest.mark.slow
 def test_damaged_sample_fails_training_naming_it_and_the_rerun_repairs_it(harness, tiny_llama_verifier, tmp_path):
-    """64 KiB zeroed inside one stored sample after extraction (same size: the reuse check passes): training
-    refuses it on its first read and the run fails naming the file; the rerun extracts that sample again (only it)
-    and completes: never trained on it, never failing the same way twice."""
+    """64 KiB zeroed inside one stored sample after extraction (same size: the reuse check passes), a sample of the
+    run's LAST optimizer step: training saves its state step by step, refuses the sample on its first read and the
+    run fails naming the file; the rerun extracts that sample again (only it: its states differ from the first ones
+    by float rounding at most) and training RESUMES in the same folder from its saved state, because the store's
+    identity is what was extracted, not its bytes: never trained on the damage, never failing the same way twice,
+    never starting over."""
+    from eagle3.draft.checkpoint import load_trainer_state
     from eagle3.extract.stage import HiddenStates
-    from eagle3.extract.store import HiddenStateStore
+    from eagle3.store import HiddenStateStore
+    from eagle3.train.data import BatchPlan, pack_samples, split_indices
     from flows.eagle3_pipeline import eagle3_extract, eagle3_pipeline
 
     base = _base(tiny_llama_verifier, tmp_path)
-    extracted = eagle3_extract(load_config("tiny", base), return_state=True)
+    base["train"].update(save_state_every_steps=1, batch_size=2)  # several steps, a saved state after each
+    config = load_config("tiny", base)
+    extracted = eagle3_extract(config, return_state=True)
     assert extracted.is_completed(), extracted
     store = HiddenStateStore(extracted.result()["store_path"])
-    biggest = max(store.indices(), key=lambda i: store.file(i).stat().st_size)
-    path = store.file(biggest)
+    identity = HiddenStates.load(Path(store.path).parent).fingerprint
+    t = config.train_config()  # the trainer's own plan: the rows of the run's last step
+    train_idx, _ = split_indices(store.indices(), t.val_ratio, t.seed)
+    rows = pack_samples({i: min(store.tokens(i), t.max_seq_len) for i in train_idx}, t.max_seq_len)
+    plan = BatchPlan(rows, t.seed, t.batch_size, t.grad_accum_steps, 1, 0)
+    steps = len(rows) // t.batch_size
+    assert steps >= 2, steps
+    last = [i for micro in plan.micro_bins(t.epochs - 1, steps - 1) for row in micro for i in row]
+    victim = max(last, key=lambda i: store.file(i).stat().st_size)
+    path = store.file(victim)
     _zero_64k(path)
 
-    failed = eagle3_pipeline(load_config("tiny", base), return_state=True)
+    failed = eagle3_pipeline(config, return_state=True)
     assert failed.is_failed()
     error = str(failed.result(raise_on_failure=False))
-    assert f"sample {biggest} of store" in error and f"{path} does not match its manifest sha256" in error
+    assert f"sample {victim} of store" in error and f"{path} does not match its manifest sha256" in error
     runs = _runs(failed, ["extract-hidden-states", "train-draft"])
     assert runs["extract-hidden-states"] == ["Cached"] and runs["train-draft"] == ["Failed"], runs
+    (train_dir,) = Path(config.run_dir).glob("train-draft-*")
+    saved_at = load_trainer_state(train_dir / "latest")["progress"]["global_step"]
+    assert 1 <= saved_at < steps  # trained up to the damaged step, state saved
 
-    repaired = eagle3_pipeline(load_config("tiny", base), return_state=True)
+    repaired = eagle3_pipeline(config, return_state=True)
     assert repaired.is_completed(), repaired
     runs = _runs(repaired, STAGES)
     assert runs["extract-hidden-states"] == ["Cached", "Completed"] and runs["train-draft"] == ["Completed"], runs
     artifact = HiddenStates.load(Path(store.path).parent)
     assert (artifact.samples_written, artifact.manifest_entries_dropped) == (1, 1)
+    assert artifact.fingerprint == identity  # the repair kept the store's identity ...
+    assert list(Path(config.run_dir).glob("train-draft-*")) == [train_dir]  # ... hence training's folder
+    records = [json.loads(x) for x in (train_dir / "metrics.jsonl").read_text().splitlines()]
+    steps_logged = [r["global_step"] for r in records if r["event"] == "train"]
+    assert steps_logged == sorted(set(steps_logged)) and steps_logged[-1] == steps  # resumed, each step once
     HiddenStateStore(store.path).verify()
 
 
 def test_missing_verifier_says_verifier_not_found_at_every_entry(harness, tmp_path):
     """A verifier path that does not exist is "verifier not found: <path>" from the flow (its describe step) and
     from each stage function, never a Hugging Face repo-id error."""
+    from eagle3.chat.errors import DataError
     from eagle3.extract.stage import extract_hidden_states
-    from eagle3.prepare import DataError, PrepareConfig, prepare_data
+    from eagle3.prepare import PrepareConfig, prepare_data
     from eagle3.support.verifier import VerifierError
     from eagle3.train.config import TrainConfig
     from eagle3.train.stage import train_draft

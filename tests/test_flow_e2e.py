@@ -13,7 +13,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import BIN, REPO, start_process
+from helpers import BIN, REPO, start_process
 
 from tasks.prefect_env import stop_process_group
 

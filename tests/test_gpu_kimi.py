@@ -22,13 +22,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BUNDLED_DATA
+from helpers import BUNDLED_DATA
 
 from eagle3.config import load_config
 from eagle3.draft.config import DraftArchitecture
 from eagle3.extract.stage import extract_hidden_states
-from eagle3.extract.store import HiddenStateStore
 from eagle3.prepare import PrepareConfig, prepare_data
+from eagle3.store import HiddenStateStore
 from eagle3.train.config import TrainConfig
 from eagle3.train.stage import train_draft
 from eagle3.validate.config import ValidateConfig
@@ -118,7 +118,7 @@ def test_vllm_serves_each_draft_kind_beside_the_kimi_class_lossless_with_parity(
     run = train_draft(TrainConfig(epochs=2, batch_size=4, max_seq_len=512, ttt_steps=3, val_ratio=0.1,
                                   device=DEVICE, draft=DraftArchitecture(kind=kind)),
                       store, vocab.mapping_path, out / f"train-vllm-{kind}", verifier=str(KIMI_MINI_DIR))
-    preset = load_config("kimi-mini").validate_
+    preset = load_config("kimi-mini").validate_config
     cfg = ValidateConfig(**{**preset.model_dump(), "dtype": DTYPE, "num_prompts": 4, "max_new_tokens": 32,
                             "compare_untrained": False, "speed_repeats": 0,
                             "parity_tolerance": 0.10 if CUDA else 0.02, "min_mean_acceptance_length": None})

@@ -89,7 +89,7 @@ def test_lock_of_killed_process_is_free_immediately(tmp_path):
 
 
 def test_extraction_refuses_held_lock_before_loading(tiny_llama_verifier, tmp_path, monkeypatch):
-    from conftest import make_dataset
+    from helpers import make_dataset
 
     from eagle3.extract import hf_backend
     from eagle3.extract.stage import extract_hidden_states
@@ -145,10 +145,10 @@ def test_cuda_preflight_gpu_reports_and_refuses_busy_gpu():
 def test_second_extraction_waits_then_resumes_what_the_first_wrote(tiny_llama_verifier, tmp_path):
     import json
 
-    from conftest import make_dataset
+    from helpers import make_dataset
 
     from eagle3.extract.stage import extract_hidden_states
-    from eagle3.extract.store import MANIFEST
+    from eagle3.store import MANIFEST
 
     ds = make_dataset(tmp_path / "ds", [40 + i for i in range(24)], 8192)
     cfg = {"verifier": str(tiny_llama_verifier), "device": "cpu",

@@ -9,13 +9,13 @@ import json
 
 import pytest
 import torch
-from conftest import KIMI_SHAPED_SMALL
+from helpers import KIMI_SHAPED_SMALL
 from safetensors import safe_open
 
 from eagle3.support.verifier import VerifierSpec, find_tensor_names, load_verifier_head, weight_map
-from scripts.tiny_verifier import read_messages
 from tools import kimi_mini
 from tools.kimi_mini import KIMI_MINI_DIR, KIMI_SPECIAL_TOKENS, gate_failures, quality_gate
+from tools.tiny_verifier import read_messages
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import KIMI_SHAPED_SMALL, make_dataset
+from helpers import KIMI_SHAPED_SMALL, make_dataset
 
 from eagle3.config import load_config
 from eagle3.extract.selfcheck import BatchInvarianceError
 from eagle3.extract.stage import extract_hidden_states
-from eagle3.extract.store import HiddenStateStore
+from eagle3.store import HiddenStateStore
 from tools.kimi_mini import random_kimi_shaped
 
 pytestmark = [pytest.mark.vllm]
@@ -26,6 +26,7 @@ OTHER_SHAPE = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size
                    num_attention_heads=4, num_key_value_heads=4, n_routed_experts=6, num_experts_per_tok=3)
 BUDGETS = {  # sizes only: the preset's stage choices (regeneration, vLLM extraction, MLA draft, dtypes) stay
     "data.max_samples": 24, "regenerate.max_new_tokens": 48, "train.epochs": 1,
+    "train.batch_size": 2,  # 24 short samples pack into ~5 rows of 512 tokens: 2 per step
     "validate.num_prompts": 3, "validate.max_new_tokens": 24, "validate.compare_untrained": False,
     "validate.min_mean_acceptance_length": None}
 

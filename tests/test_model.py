@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import vocab_tables
+from helpers import reference_draft_tail, vocab_tables
 
 from eagle3.draft.config import DraftArchitecture, DraftConfig, DraftConfigError
 from eagle3.draft.model import Eagle3Draft
@@ -68,11 +68,7 @@ def _reference(draft: Eagle3Draft, ids: torch.Tensor, hidden: torch.Tensor, pos:
             out[i, hh] = torch.softmax(scores, 0) @ v[kv, : i + 1]
     attn = out.reshape(t, -1) @ layer.self_attn.o_proj.weight.T
     residual = attn + residual
-    m = rms(layer.post_attention_layernorm.weight, residual)
-    mlp = layer.mlp
-    y = (torch.nn.functional.silu(m @ mlp.gate_proj.weight.T) * (m @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
-    prenorm = y + residual
-    return prenorm, rms(draft.norm.weight, prenorm) @ draft.lm_head.weight.T
+    return reference_draft_tail(draft, residual, rms)
 
 
 @pytest.mark.parametrize("norm_before_residual", [False, True])

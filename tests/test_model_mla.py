@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import vocab_tables
+from helpers import reference_draft_tail, vocab_tables
 
 from eagle3.draft.config import DraftArchitecture, DraftConfig, DraftConfigError, serving_pair_problem
 from eagle3.draft.model import Eagle3Draft
@@ -70,11 +70,7 @@ def _mla_reference(draft: Eagle3Draft, ids: torch.Tensor, hidden: torch.Tensor, 
             scores = torch.stack([(q[i, hh, :nope] @ k_nope[j, hh] + q_pe[i, hh] @ k_pe[j]) for j in range(i + 1)])
             out[i, hh] = torch.softmax(scores * scale, 0) @ v[: i + 1, hh]
     residual = out.reshape(t, -1) @ attn.o_proj.weight.T + residual
-    m = rms(layer.post_attention_layernorm.weight, residual)
-    mlp = layer.mlp
-    y = (torch.nn.functional.silu(m @ mlp.gate_proj.weight.T) * (m @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
-    prenorm = y + residual
-    return prenorm, rms(draft.norm.weight, prenorm) @ draft.lm_head.weight.T
+    return reference_draft_tail(draft, residual, rms)
 
 
 @pytest.mark.parametrize("norm_before_residual", [False, True])

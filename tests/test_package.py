@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 
 
 def test_every_library_module_imports_outside_the_checkout(tmp_path):
@@ -53,6 +53,43 @@ def test_imports_go_one_way():
         assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
     for path in (REPO / "tasks").rglob("*.py"):
         assert "flows" not in imported(path), path
+
+
+def test_library_has_no_import_cycle_and_no_file_over_600_lines():
+    """Module-level imports between eagle3's modules form no cycle (imports inside functions are deliberate late
+    imports and do not count), and no library file is over 600 lines."""
+    def module_of(path: Path) -> str:
+        parts = path.relative_to(REPO).with_suffix("").parts
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    modules = {module_of(p): p for p in (REPO / "eagle3").rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.parse(path.read_text()).body:  # module level only
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            deps |= {t for t in targets if t in modules and t != name}
+        graph[name] = deps
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(d):] + [m, d]))
+            if d not in state:
+                visit(d, path + [m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+    long = {str(p.relative_to(REPO)): n for p in modules.values() if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, long
 
 
 @pytest.mark.parametrize(("ci", "outcome"), [("true", "1 error"), ("", "1 skipped")])

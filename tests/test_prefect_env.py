@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import yaml
-from conftest import REPO
+from helpers import REPO
 
 from tasks.prefect_env import (
     EPHEMERAL_STARTUP_TIMEOUT_SECONDS,

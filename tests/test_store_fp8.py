@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import TINY, make_dataset, make_store
 from safetensors.torch import load, save
-from test_extract import make_dataset
-from test_train import TINY, make_store
 
 from eagle3.capacity import store_file_bytes
 from eagle3.extract.stage import extract_hidden_states
-from eagle3.extract.store import (
+from eagle3.extract.writer import write_sample
+from eagle3.store import (
     HiddenStateStore,
     StoreError,
     dequantize_states,
@@ -20,7 +20,6 @@ from eagle3.extract.store import (
     sample_files,
     sample_relpath,
     serialize_sample,
-    write_sample,
 )
 from eagle3.train.config import TrainConfig
 from eagle3.train.data import collate

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BUNDLED_DATA
+from helpers import BUNDLED_DATA
 
 from eagle3.capacity import CapacityPlan
 from eagle3.config import load_config
@@ -157,7 +157,7 @@ def test_capacity_plans_the_dtype_extraction_writes(front, bundled_verifier, tmp
     to assume bfloat16 while extraction wrote float32 (a disk plan 2x too small). Both now resolve through
     ``ExtractConfig.resolved_dtypes``, and the plan equals the bytes extraction writes."""
     from eagle3.extract.stage import extract_hidden_states
-    from eagle3.extract.store import HiddenStateStore
+    from eagle3.store import HiddenStateStore
 
     cfg = load_config("tiny", {"extract": {"store_dtype": "model", "dtype": "float32", "device": "cpu"},
                                "data": {"sources": [str(BUNDLED_DATA / "eval.openai.jsonl")], "max_samples": 6}})
@@ -228,7 +228,8 @@ def test_capacity_refuses_a_draft_kind_vllm_cannot_serve_here_before_anything_ru
         pytest.skip("on a GPU host vLLM serves both draft kinds beside an MLA verifier")
     with pytest.raises(CapacityError, match=r"cannot serve a llama draft beside an MLA verifier .* set "
                                             r"train.draft.kind: mla$"):
-        plan_capacity_task.fn(cfg.capacity, extract, verifier, prepared, str(tmp_path), draft=DraftArchitecture())
+        plan_capacity_task.fn(cfg.capacity, extract, verifier, prepared, str(tmp_path),
+                              training=cfg.training_shape().model_copy(update={"draft": DraftArchitecture()}))
     plan = plan_capacity_task.fn(cfg.capacity, extract, verifier, prepared, str(tmp_path),
-                                 draft=DraftArchitecture(kind="mla"))
+                                 training=cfg.training_shape().model_copy(update={"draft": DraftArchitecture(kind="mla")}))
     assert plan.aux_layer_ids == [1, 2]

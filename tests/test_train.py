@@ -15,50 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from helpers import REPO, TINY, make_store
 from safetensors.torch import load_file, save_file
 
 from eagle3.draft import checkpoint as ckpt
 from eagle3.draft.config import DraftArchitecture
 from eagle3.extract.stage import extract_hidden_states
-from eagle3.extract.store import init_store
+from eagle3.store import init_store
 from eagle3.support.dtypes import resolve_compute_dtype
 from eagle3.support.io import sha256_file
 from eagle3.train.config import TrainConfig, TrainError
 from eagle3.train.stage import train_draft
-from eagle3.vocab import VocabConfig, build_vocab
-
-TINY = {"lr": 3e-3, "batch_size": 2, "max_seq_len": 256, "ttt_steps": 3, "log_every_steps": 1, "device": "cpu",
-        "warmup_ratio": 0.1}
-
-
-def make_store(root: Path, verifier: Path, ids: list[list[int]], masks: list[list[int]], aux_layer_ids: list[int],
-               draft_vocab: int, vocab_size: int, store_dtype: str = "float32") -> tuple[Path, Path]:
-    """Prepared-dataset layout -> the extraction stage's store (transformers backend, float32 unless
-    ``store_dtype``) + the vocab stage's mapping. Returns (store dir, mapping path)."""
-    import datasets
-
-    ds = root / "dataset"
-    datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": masks}).save_to_disk(str(ds))
-    extract_hidden_states({"verifier": str(verifier), "aux_layer_ids": aux_layer_ids, "store_dtype": store_dtype,
-                           "device": "cpu", "log_every_samples": 0,
-                           "log_every_seconds": 0}, ds, root / "store")
-    vocab = build_vocab(VocabConfig(draft_vocab_size=draft_vocab), ds, vocab_size, root / "vocab")
-    return root / "store", Path(vocab.mapping_path)
-
-
-@pytest.fixture(scope="module")
-def random_store(tiny_llama_verifier, tmp_path_factory):
-    """40 random-token samples of 20-120 tokens (the last two thirds are 'assistant') through the random tiny
-    Llama: states are real, the teacher is not meaningful (fine for the mechanics)."""
-    g = torch.Generator().manual_seed(0)
-    ids, masks = [], []
-    for _ in range(40):
-        n = int(torch.randint(20, 120, (1,), generator=g))
-        ids.append(torch.randint(0, 300, (n,), generator=g).tolist())
-        masks.append([0] * (n // 3) + [1] * (n - n // 3))
-    return make_store(tmp_path_factory.mktemp("random-store"), tiny_llama_verifier, ids, masks, [1, 2, 3], 256,
-                      8192)
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -165,7 +132,7 @@ def test_one_launched_worker_wraps_fsdp_and_equals_the_plain_process(random_stor
 
 
 def test_bad_input_one_clear_error_each(random_store, tiny_llama_verifier, tmp_path):
-    from conftest import save_tiny_llama
+    from helpers import save_tiny_llama
 
     store, vocab = random_store
     cfg = TrainConfig(epochs=1, **TINY)
@@ -320,7 +287,7 @@ def test_damaged_sample_is_never_trained_on_and_extraction_repairs_it(random_sto
     missing) until extraction extracts it again, then training runs."""
     import shutil
 
-    from eagle3.extract.store import HiddenStateStore
+    from eagle3.store import HiddenStateStore
     from eagle3.train.data import BatchPlan
     from eagle3.train.trainer import Trainer
 

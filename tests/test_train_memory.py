@@ -9,7 +9,7 @@ import logging
 
 import pytest
 import torch
-from test_train import TINY, random_store  # noqa: F401 - the module-scoped store fixture
+from helpers import TINY
 
 from eagle3.draft.config import DraftArchitecture, DraftConfig
 from eagle3.draft.model import Eagle3Draft
@@ -39,7 +39,7 @@ ARCHS = {  # the draft variants whose plan is checked against the module: GQA an
 
 @pytest.fixture(scope="module")
 def verifiers(tiny_llama_verifier, kimi_like_target, tmp_path_factory):
-    from conftest import save_kimi_like_target
+    from helpers import save_kimi_like_target
 
     no_q = save_kimi_like_target(tmp_path_factory.mktemp("kimi-no-q") / "target")
     cfg = json.loads((no_q / "config.json").read_text())
@@ -109,7 +109,27 @@ def test_check_memory_fails_or_warns_with_the_itemized_plan(tiny_llama_verifier)
     assert check_memory(gpu, gpu.peak_bytes * 11 // 10 + 1, "one GPU", 0.10, "fail") is None  # per GPU, not x 2
 
 
-def test_trainer_logs_the_plan_and_refuses_before_allocating(random_store, tiny_llama_verifier, tmp_path,  # noqa: F811
+def test_plan_counts_the_nodes(tiny_llama_verifier):
+    """Nodes x nproc processes split the batch and FSDP's shards; a CPU host's RAM holds only its own nproc."""
+    cfg = DraftConfig.build(VerifierSpec.from_path(tiny_llama_verifier), 256, [1, 2, 3])
+    two_hosts = TrainConfig(batch_size=8, nodes=2, nproc=2, rdzv_endpoint="host-a:29400", max_seq_len=256,
+                            device="cpu")
+    one_host = two_hosts.model_copy(update={"nodes": 1, "rdzv_endpoint": None, "grad_accum_steps": 2})
+    plan = plan_training_memory(cfg, two_hosts, device="cpu")  # the world: nodes x nproc
+    assert (plan.processes, plan.processes_per_host, plan.micro_batch_rows) == (4, 2, 2)
+    assert plan.peak_bytes == plan_training_memory(cfg, one_host, device="cpu").peak_bytes - (
+        plan_training_memory(cfg, one_host, device="cpu").batch_bytes - plan.batch_bytes)  # only the prefetch differs
+    assert "ddp, 4 process(es) on 2 hosts of 2, cpu" in plan.summary()
+    need = plan.peak_bytes * 11 // 10 * 2  # 10% margin, the 2 processes of this host (not 4)
+    assert check_memory(plan, need + 2, "test RAM", 0.10, "fail") is None
+    fsdp = plan_training_memory(cfg, two_hosts.model_copy(update={"parallel": "fsdp"}), device="cuda")
+    items = {i.name: i.bytes for i in fsdp.items}
+    one = {i.name: i.bytes for i in plan_training_memory(cfg, one_host.model_copy(update={"parallel": "fsdp"}),
+                                                         device="cuda").items}
+    assert items["AdamW states"] < one["AdamW states"]  # sharded over 4 processes instead of 2
+
+
+def test_trainer_logs_the_plan_and_refuses_before_allocating(random_store, tiny_llama_verifier, tmp_path,
                                                             caplog):
     store, mapping = random_store
     with caplog.at_level(logging.INFO, logger="eagle3"):

@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import vocab_tables
+from helpers import vocab_tables
 from torch import nn
 
 from eagle3.draft.config import DraftConfig

@@ -1,4 +1,4 @@
-"""scripts/ui_screenshots.py against a real `prefect server start` with its UI and a real headless Chromium: the run
+"""tools/ui_screenshots.py against a real `prefect server start` with its UI and a real headless Chromium: the run
 page (task graph + task list), the Logs tab and every artifact page at full height, every log line with its stage;
 and a refusal, not a success, when the UI cannot reach its API (the README's steps on another port than 4200 without
 PREFECT_UI_API_URL: every page said "Unable to connect", and the old script captured those pages).
@@ -17,13 +17,13 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 
 from tasks.prefect_env import start_local_server, stop_process_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.ui]
 
-SCRIPT = REPO / "scripts" / "ui_screenshots.py"
+SCRIPT = REPO / "tools" / "ui_screenshots.py"
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_demo_run_page_logs_and_artifacts_at_full_height(chromium, tmp_path):
 def test_a_ui_that_cannot_reach_its_api_is_refused(chromium, tmp_path):
     """A server whose UI calls an API where nothing listens (port 4200's case): the script stops before any
     screenshot, naming PREFECT_UI_API_URL; and a page of that UI, read anyway, is refused for its error message."""
-    from scripts.ui_screenshots import Browser, UIPageError, run_page
+    from tools.ui_screenshots import Browser, UIPageError, run_page
 
     dead_api = "http://127.0.0.1:9/api"  # the discard port: nothing answers HTTP there
     (tmp_path / "home").mkdir()

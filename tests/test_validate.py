@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import vocab_tables
+from helpers import vocab_tables
 from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
@@ -567,7 +567,7 @@ def _checkpoint_artifact(folder: Path, verifier: Path, weights_sha256: str):
 
 
 def test_pipeline_stage_task_writes_into_its_stage_folder(good, tiny_llama_verifier, tmp_path):
-    from eagle3.prepare import describe_sources
+    from eagle3.chat.sources import describe_sources
     from eagle3.support.paths import BUNDLED_DATA
 
     checkpoint = _checkpoint_artifact(good, tiny_llama_verifier, sha256_file(good / "model.safetensors"))
@@ -595,21 +595,21 @@ def test_weights_changed_since_training_fail_validation_naming_the_file(good, ti
 
 
 def test_bad_settings_raise_before_any_vllm_start(good, tiny_llama_verifier, tmp_path):
+    from eagle3.chat.sources import PromptError
     from eagle3.validate.stage import validate_draft
-    from eagle3.validate.vllm_check import PromptError
 
     with pytest.raises(FileNotFoundError, match="vLLM interpreter not found"):
-        validate_draft(ValidateConfig(vllm_python=str(tmp_path / "no-python")), good, tmp_path / "a",
+        validate_draft(ValidateConfig(engine={"vllm_python": str(tmp_path / "no-python")}), good, tmp_path / "a",
                        verifier=tiny_llama_verifier)
     short = tmp_path / "one.jsonl"
     short.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     with pytest.raises(PromptError, match="holds 1 conversations, 8 prompts"):
-        validate_draft(ValidateConfig(vllm_python=sys.executable), good, tmp_path / "b", verifier=tiny_llama_verifier,
+        validate_draft(ValidateConfig(engine={"vllm_python": sys.executable}), good, tmp_path / "b", verifier=tiny_llama_verifier,
                        prompts_path=short)
 
 
 def test_prompt_file_rows_of_the_wrong_shape_are_one_clear_error(tmp_path):
-    from eagle3.validate.vllm_check import PromptError, read_prompt_messages
+    from eagle3.chat.sources import PromptError, read_prompt_messages
 
     for i, line in enumerate(["5", '{"messages": ["hi"]}', '{"conversations": {"from": "human"}}']):
         f = tmp_path / f"p{i}.jsonl"

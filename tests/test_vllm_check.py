@@ -19,8 +19,9 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import vocab_tables
+from helpers import vocab_tables
 
+from eagle3.chat.encoder import ChatSettings
 from eagle3.draft.checkpoint import load_draft, save_draft
 from eagle3.draft.config import DraftConfig
 from eagle3.draft.model import Eagle3Draft
@@ -32,8 +33,6 @@ from eagle3.validate.stage import run_vllm_check, validate_draft
 from eagle3.validate.vllm_check import (
     AcceptanceStats,
     load_tokenizer,
-    prompt_token_ids,
-    read_prompt_messages,
     stop_token_ids,
 )
 
@@ -141,7 +140,7 @@ def test_offline_reference_agrees_with_vllm(report):
 @pytest.fixture(scope="module")
 def random_verifier(tmp_path_factory) -> Path:
     """A random-init verifier whose attention vLLM's CPU backend supports (head_dim 32; the conftest one has 16)."""
-    from conftest import save_tiny_llama
+    from helpers import save_tiny_llama
 
     return save_tiny_llama(tmp_path_factory.mktemp("random") / "verifier", num_attention_heads=2, num_key_value_heads=1)
 
@@ -176,7 +175,7 @@ def test_constant_draft_counters_equal_the_offline_loop_exactly(random_verifier,
     cfg = ValidateConfig(num_prompts=4, max_new_tokens=48, num_speculative_tokens=K)
     verifier = load_verifier(random_verifier)
     tok = load_tokenizer(random_verifier)
-    prompts = prompt_token_ids(tok, read_prompt_messages(EVAL, cfg.num_prompts))
+    prompts = ChatSettings(tokenizer_path=str(random_verifier)).held_out_prompt_ids(EVAL, cfg.num_prompts)
     stops = set(stop_token_ids(random_verifier, tok))
     with torch.no_grad():
         ids = list(prompts[0])
@@ -185,7 +184,7 @@ def test_constant_draft_counters_equal_the_offline_loop_exactly(random_verifier,
     t = Counter(ids[len(prompts[0]):]).most_common(1)[0][0]
     draft_dir = _save_draft(random_verifier, tmp_path / "constant", torch.arange(t, t + 64), constant=True)
 
-    result = run_vllm_check(cfg, random_verifier, [draft_dir], EVAL, tmp_path / "work")
+    result = run_vllm_check(cfg, random_verifier, [draft_dir], prompts, tmp_path / "work")
     run = result["drafts"][0]
     assert result["prompt_token_ids"] == prompts and run["lossless"]
     draft = load_draft(draft_dir, verifier_path=random_verifier).eval()
@@ -194,6 +193,10 @@ def test_constant_draft_counters_equal_the_offline_loop_exactly(random_verifier,
     assert outs == result["baseline"]["token_ids"]
     assert run["acceptance"] == stats.to_dict()
     assert stats.num_accepted_tokens > 0
+
+
+def _prompts(verifier: Path, n: int) -> list[list[int]]:
+    return ChatSettings(tokenizer_path=str(verifier)).held_out_prompt_ids(EVAL, n)
 
 
 class _Watcher(threading.Thread):
@@ -241,12 +244,12 @@ def _survivors(pids, timeout: float = 15.0) -> list[int]:
 
 def test_timeout_kills_the_vllm_process_tree(random_pair, tmp_path):
     verifier, draft = random_pair
-    cfg = ValidateConfig(num_prompts=1, max_new_tokens=8, timeout_s=12, engine_in_process=False)
+    cfg = ValidateConfig(num_prompts=1, max_new_tokens=8, engine={"timeout_s": 12}, engine_in_process=False)
     watcher = _Watcher()
     watcher.start()
     try:
         with pytest.raises(SubprocessFailed, match="timed out"):
-            run_vllm_check(cfg, verifier, [draft], EVAL, tmp_path / "work")
+            run_vllm_check(cfg, verifier, [draft], _prompts(verifier, 1), tmp_path / "work")
     finally:
         watcher.stop.set()
         watcher.join()
@@ -261,7 +264,7 @@ class _Cancelled(BaseException):
 def test_cancellation_after_engine_processes_started_leaves_none_behind(random_pair, tmp_path):
     """Cancel once vLLM has spawned its own processes (guard + check + at least one vLLM child)."""
     verifier, draft = random_pair
-    cfg = ValidateConfig(num_prompts=1, max_new_tokens=8, timeout_s=600, engine_in_process=False)
+    cfg = ValidateConfig(num_prompts=1, max_new_tokens=8, engine={"timeout_s": 600}, engine_in_process=False)
 
     def cancel(signum, frame):
         raise _Cancelled
@@ -271,10 +274,47 @@ def test_cancellation_after_engine_processes_started_leaves_none_behind(random_p
     watcher.start()
     try:
         with pytest.raises(_Cancelled):
-            run_vllm_check(cfg, verifier, [draft], EVAL, tmp_path / "work")
+            run_vllm_check(cfg, verifier, [draft], _prompts(verifier, 1), tmp_path / "work")
     finally:
         watcher.stop.set()
         watcher.join()
         signal.signal(signal.SIGUSR1, old)
     assert len(watcher.seen) >= 3, watcher.seen
     assert _survivors(watcher.seen) == []
+
+
+@pytest.mark.slow
+def test_regeneration_engine_session_serves_as_the_baseline_one_engine_start_less(bundled_verifier, tmp_path):
+    """Regeneration's engine also generates validation's verifier-alone baseline (eagle3.validate.baseline):
+    validation then starts one engine (the draft's) instead of two, and its baseline is the same greedy output a
+    verifier-alone engine of its own gives; the check stays lossless and timed."""
+    from eagle3.prepare import PrepareConfig, prepare_data
+    from eagle3.regenerate.config import RegenerateConfig
+    from eagle3.regenerate.stage import regenerate
+    from eagle3.support.dtypes import describe_compute_dtype
+    from eagle3.support.verifier import describe_verifier
+
+    src = tmp_path / "chats.jsonl"
+    src.write_text("".join(TRAIN.read_text().splitlines(keepends=True)[:4]))
+    prepare_cfg = PrepareConfig(sources=[str(src)], tokenizer_path=str(bundled_verifier), max_seq_len=512)
+    prepared = prepare_data(prepare_cfg, tmp_path / "prepared")
+    regen = RegenerateConfig(enabled=True, max_new_tokens=16, batch_rows=4, max_model_len=512, log_every_seconds=0)
+    identity = describe_verifier(bundled_verifier)
+    dtype = describe_compute_dtype(regen.dtype, identity.spec().dtype, "auto")  # the rule's answer on this CPU
+    cfg = ValidateConfig(prompts_path=str(EVAL), num_prompts=3, max_new_tokens=24, num_speculative_tokens=K,
+                         dtype=dtype, speed_repeats=1, speed_concurrency=[1], engine={"timeout_s": 900})
+    r = regenerate(regen, prepared, prepare_cfg, identity, tmp_path / "regen", validation=cfg)
+    assert len(list(Path(r.baselines_dir).glob("*.json"))) == 1
+
+    spec = VerifierSpec.from_path(bundled_verifier)
+    draft = _save_draft(bundled_verifier, tmp_path / "draft", torch.arange(0, spec.vocab_size, 4))
+    shared = validate_draft(cfg, draft, tmp_path / "shared", verifier=bundled_verifier,
+                            baselines_dir=r.baselines_dir).report()["vllm"]
+    own = validate_draft(cfg, draft, tmp_path / "own", verifier=bundled_verifier).report()["vllm"]
+    assert (shared["engine_starts"], own["engine_starts"]) == (1, 2)
+    assert "regeneration" in shared["baseline_source"] and "regeneration" not in own["baseline_source"]
+    assert shared["lossless"] and own["lossless"]
+    baselines = [json.loads((tmp_path / d / "vllm" / "vllm_result.json").read_text())["baseline"]["token_ids"]
+                 for d in ("shared", "own")]
+    assert baselines[0] == baselines[1]
+    assert shared["speed"]["levels"][0]["baseline_output_tokens_per_second"]  # timed in the regeneration session

@@ -139,10 +139,10 @@ def test_draft_vocab_larger_than_target_is_one_clear_error(dataset, tmp_path):
 
 def test_bad_dataset_errors_name_the_sample(tmp_path):
     out_of_range = save_dataset(tmp_path / "oor", [[1, 2], [3, 40]], [[1, 1], [1, 1]])
-    with pytest.raises(VocabError, match=r"sample 1: token id 40 outside the target vocabulary \[0, 32\)"):
+    with pytest.raises(VocabError, match=r"sample 1: token id 40 outside the verifier's vocabulary \[0, 32\)"):
         count_assistant_tokens(out_of_range, 32)
     ragged = save_dataset(tmp_path / "ragged", [[1, 2], [3, 4, 5]], [[1, 1], [1, 1]])
-    with pytest.raises(VocabError, match="sample 1: input_ids has 3 tokens but loss_mask 2"):
+    with pytest.raises(VocabError, match="sample 1 has 3 input_ids but 2 loss_mask entries"):
         count_assistant_tokens(ragged, 32)
     bad_mask = save_dataset(tmp_path / "bad_mask", [[1, 2], [3, 4], [5]], [[1, 1], [0, 1], [2]])
     with pytest.raises(VocabError, match=r"sample 2: loss_mask value 2 \(expected 0 or 1\)"):

@@ -1,6 +1,6 @@
 """kimi-mini: a trained verifier with Kimi-K2.5's text architecture and checkpoint layout, small enough for 2 CPU cores.
 
-Where it sits: outside the pipeline proper, like the bundled tiny verifier (scripts/tiny_verifier.py). The pipeline is
+Where it sits: outside the pipeline proper, like the bundled tiny verifier (tools/tiny_verifier.py). The pipeline is
 built for Kimi-K2.5 (a DeepseekV3-style MLA + MoE language model nested in ``KimiK25ForConditionalGeneration``); this
 module builds a miniature that exercises the same code paths on a CPU:
 
@@ -40,7 +40,7 @@ from typing import Any
 
 from eagle3.support.paths import BUNDLED_DATA, BUNDLED_VERIFIER, REPO_ROOT
 from eagle3.support.provenance import git_revision, versions
-from scripts.tiny_verifier import (
+from tools.tiny_verifier import (
     EOS,
     TrainSettings,
     longest_run,

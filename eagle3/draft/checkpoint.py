@@ -23,7 +23,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import SafetensorError
@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 from eagle3.draft.config import DraftConfig
 from eagle3.draft.model import Eagle3Draft
 from eagle3.support.dtypes import torch_dtype
-from eagle3.support.io import atomic_path, atomic_write_json, save_safetensors
+from eagle3.support.io import atomic_path, atomic_write_json, save_safetensors, sha256_file
 from eagle3.support.provenance import git_revision, versions
 from eagle3.support.verifier import find_tensor_names, read_tensor
 
@@ -88,6 +88,24 @@ def save_draft(folder: str | os.PathLike, cfg: DraftConfig, state: dict[str, tor
         save_safetensors(tensors, tmp / WEIGHTS, metadata={"format": "pt"})
         (tmp / RUN_INFO).write_text(json.dumps(info, indent=2, sort_keys=True, default=str) + "\n")
     return folder
+
+
+class WeightsCheck(NamedTuple):
+    sha256: str | None  # of the folder's model.safetensors; None when the file is missing
+    problem: str | None  # the sentence to show when it is not the file training recorded; None when it is
+
+
+def check_weights(folder: str | os.PathLike, recorded_sha256: str | None) -> WeightsCheck:
+    """Is ``folder``'s model.safetensors the one training recorded (``recorded_sha256``; None: nothing recorded,
+    nothing to compare)? The one check of training's result, validation and the flow's final summary."""
+    weights = Path(folder) / WEIGHTS
+    sha = sha256_file(weights) if weights.is_file() else None
+    if recorded_sha256 is None or sha == recorded_sha256:
+        return WeightsCheck(sha, None)
+    what = "is missing" if sha is None else "was changed or damaged since"
+    return WeightsCheck(sha, f"the draft checkpoint {weights} does not match the sha256 recorded when training wrote "
+                        f"it ({recorded_sha256[:12]}...): it {what}; do not serve it (restore the file, or delete "
+                        f"the train-draft stage folder and rerun to train it again)")
 
 
 def read_config(folder: str | os.PathLike) -> DraftConfig:

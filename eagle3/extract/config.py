@@ -6,8 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from eagle3.engine.settings import EngineSettings
 from eagle3.support.dtypes import describe_compute_dtype, device_type, resolve_store_dtype
-from eagle3.support.settings import RESUMABLE, RUNTIME
+from eagle3.support.settings import INLINE, RESUMABLE, RUNTIME
 from eagle3.support.verifier import VerifierSpec
 
 
@@ -38,9 +39,6 @@ class ExtractConfig(BaseModel):
         default=None, description="transformers device_map to spread the verifier over several GPUs (e.g. 'auto').",
         json_schema_extra=RUNTIME,
     )
-    trust_remote_code: bool = Field(
-        default=False, description="Run Python code shipped with the checkpoint. Off unless explicitly enabled.",
-    )
     store_dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "model"] = Field(
         default="bfloat16", description="Dtype of stored states; 'model' = the compute dtype (resolved, see dtype). "
         "float8_e4m3fn: 1 byte per value plus a float32 scale per token and state (about half of bfloat16's "
@@ -68,22 +66,6 @@ class ExtractConfig(BaseModel):
         description="CUDA preflight: fail when a GPU has less than this fraction of its memory free (0 = no check).",
         json_schema_extra=RUNTIME,
     )
-    tensor_parallel_size: int = Field(default=1, ge=1, description="vLLM backend: GPUs per model (count).",
-        json_schema_extra=RUNTIME)
-    vllm_python: str | None = Field(
-        default=None, description="vLLM backend: interpreter of the vLLM environment; None = $EAGLE3_VLLM_PYTHON "
-        "or the checkout's .venv-vllm/bin/python.", json_schema_extra=RUNTIME,
-    )
-    vllm_gpu_memory_utilization: float = Field(
-        default=0.9, gt=0.0, le=1.0,
-        description="vLLM backend on GPUs: fraction of each GPU's memory vLLM may use (on a CPU-only host vLLM "
-        "reads this as a fraction of host memory; 0.25 is used there).", json_schema_extra=RUNTIME,
-    )
-    vllm_timeout_seconds: float = Field(
-        default=0.0, ge=0.0,
-        description="vLLM backend: kill the subprocess (its whole process group) after this many seconds; 0 = none.",
-        json_schema_extra=RUNTIME,
-    )
     log_every_samples: int = Field(default=500, ge=0, description="Progress line every N samples (0 = off).",
         json_schema_extra=RUNTIME)
     log_every_seconds: float = Field(default=30.0, ge=0.0, description="Progress line every S seconds (0 = off).",
@@ -105,6 +87,9 @@ class ExtractConfig(BaseModel):
         description="Batches of states waiting for the writer thread (bounds host memory: batches).",
         json_schema_extra=RUNTIME,
     )
+    engine: EngineSettings = Field(
+        default_factory=EngineSettings, description="How the verifier runs: the vLLM backend's engine (the "
+        "pipeline's engine settings); trust_remote_code also for the transformers backend.", json_schema_extra=INLINE)
     selfcheck: bool = Field(
         default=True,
         description="Extraction self-check (eagle3/extract/selfcheck.py): one sample extracted inside a batch of "

@@ -19,7 +19,6 @@ import time
 
 import torch
 
-from eagle3.support.dtypes import torch_dtype
 from eagle3.support.verifier import VerifierError, VerifierSpec, find_tensor_names
 
 log = logging.getLogger("eagle3.extract")
@@ -124,15 +123,3 @@ class TransformersBackend:
         """The same decoder forward with nothing captured or written (the benchmark's baseline)."""
         self.decoder(input_ids=input_ids.to(self.input_device),
                      attention_mask=attention_mask.to(self.input_device), use_cache=False)
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda:0" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise VerifierError(f"device {device!r} requested but CUDA is not available on this host")
-    return device
-
-
-def compute_dtype(spec: VerifierSpec, dtype: str) -> torch.dtype:
-    return torch_dtype(spec.dtype if dtype == "auto" else dtype)

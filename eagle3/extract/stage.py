@@ -30,13 +30,16 @@ from typing import Any, ClassVar
 import torch
 from pydantic import Field
 
+from eagle3.chat.dataset import PreparedDataset
+from eagle3.engine.oom import HalvingBudget
 from eagle3.extract import hf_backend, selfcheck
 from eagle3.extract.batching import Batch, TokenBudgetBatcher, pad_right
 from eagle3.extract.config import ExtractConfig
-from eagle3.extract.store import (
+from eagle3.extract.writer import AsyncStoreWriter
+from eagle3.prepare import PreparedData
+from eagle3.store import (
     MANIFEST,
     STORE_JSON,
-    AsyncStoreWriter,
     HiddenStateStore,
     StoreError,
     append_manifest_entries,
@@ -48,9 +51,8 @@ from eagle3.extract.store import (
     repair_manifest,
     store_meta,
 )
-from eagle3.prepare import PreparedData, load_prepared
 from eagle3.support.artifacts import Artifact
-from eagle3.support.dtypes import torch_dtype
+from eagle3.support.dtypes import resolve_device, torch_dtype
 from eagle3.support.gpu import (
     DeviceGuard,
     OutOfMemoryAfterRetries,
@@ -143,41 +145,18 @@ class HiddenStates(Artifact):
 
 
 def open_dataset(dataset_dir: str | Path, vocab_size: int | None = None):
-    """(dataset with input_ids + loss_mask, tokens per sample as a list). Raises ExtractError naming the problem."""
-    import pyarrow.compute as pc
-
-    path = Path(dataset_dir)
-    ds = load_prepared(path, ("input_ids", "loss_mask"), ExtractError)
-    if len(ds) == 0:
-        raise ExtractError(f"dataset {path} has no samples")
-    ds = ds.select_columns(["input_ids", "loss_mask"])
-    if ds._indices is not None:
-        ds = ds.flatten_indices()
-    table = ds.data.table if hasattr(ds.data, "table") else ds.data
-    ids_col, mask_col = table.column("input_ids"), table.column("loss_mask")
-    lengths = pc.list_value_length(ids_col).to_pylist()
-    mask_lengths = pc.list_value_length(mask_col).to_pylist()
-    for i, (n, m) in enumerate(zip(lengths, mask_lengths)):
-        if not n:
-            raise ExtractError(f"dataset {path}: sample {i} has no input_ids")
-        if n != m:
-            raise ExtractError(f"dataset {path}: sample {i} has {n} input_ids but {m} loss_mask entries")
-    if vocab_size is not None:
-        flat = pc.list_flatten(ids_col)
-        hi, lo = pc.max(flat).as_py(), pc.min(flat).as_py()
-        if hi >= vocab_size or lo < 0:
-            bad = pc.or_(pc.greater_equal(flat, vocab_size), pc.less(flat, 0))  # vectorised: no Python lists
-            row = pc.list_parent_indices(ids_col).filter(bad)[0].as_py()
-            raise ExtractError(f"dataset {path}: sample {row} has token ids outside 0..{vocab_size - 1} "
-                               f"(verifier vocab_size {vocab_size}); was it tokenized with another tokenizer?")
-    return ds, lengths
+    """(dataset with input_ids + loss_mask, tokens per sample as a list), every sample checked (eagle3.chat.dataset);
+    raises ExtractError naming the problem."""
+    ds = PreparedDataset(dataset_dir, ExtractError)
+    ds.check(vocab_size)
+    return ds.ds, ds.lengths.tolist()
 
 
 def _gpu_ids(cfg: ExtractConfig) -> list[int]:
     """CUDA device indices this job will use (empty on CPU): the guard and the preflight cover exactly these."""
     if cfg.backend == "vllm":
-        return cuda_device_ids(count=cfg.tensor_parallel_size)  # vLLM takes the first tensor_parallel_size GPUs
-    return cuda_device_ids(hf_backend.resolve_device(cfg.device), cfg.device_map)
+        return cuda_device_ids(count=cfg.engine.tensor_parallel_size)  # vLLM takes the first tensor_parallel_size GPUs
+    return cuda_device_ids(str(resolve_device(cfg.device)), cfg.device_map)
 
 
 def _shard(cfg: ExtractConfig, n: int) -> tuple[int, int]:
@@ -292,14 +271,15 @@ def _run_transformers(
     oom_injector: OomInjector | None,
     stats: dict[str, Any],
 ) -> None:
-    device = hf_backend.resolve_device(cfg.device)
+    device = str(resolve_device(cfg.device))
     dtype = torch_dtype(compute_dtype)
     t0 = time.monotonic()
-    model = hf_backend.load_hf_model(spec, dtype, device, cfg.device_map, cfg.trust_remote_code)
+    model = hf_backend.load_hf_model(spec, dtype, device, cfg.device_map, cfg.engine.trust_remote_code)
     stats["model_loads"] += 1
     stats["model_load_seconds"] = time.monotonic() - t0
     backend = hf_backend.TransformersBackend(model, aux_ids)
     batcher = TokenBudgetBatcher(todo, cfg.max_tokens_per_batch, cfg.max_samples_per_batch)
+    budget = HalvingBudget(cfg.max_tokens_per_batch, cfg.min_tokens_per_batch, "padded tokens per batch")
     writer = AsyncStoreWriter(store_dir, meta, cfg.write_queue_batches,
                               on_written=lambda e: progress.update(1, e["tokens"]))
     stats["extract_start"] = time.monotonic()
@@ -325,7 +305,7 @@ def _run_transformers(
                 oom_message = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             if oom_message is not None:  # outside the except block: the traceback (and its tensors) is gone
                 free_memory(device)
-                _on_oom(cfg, batcher, batch, oom_message, stats, progress)
+                _on_oom(cfg, batcher, budget, batch, oom_message, stats, progress)
                 continue
             aux, final = aux.to("cpu"), final.to("cpu")
             if check_pending and len(batch.indices) > 1:  # before anything of this batch is written
@@ -368,15 +348,15 @@ def _selfcheck_transformers(backend: hf_backend.TransformersBackend, batch: Batc
     selfcheck.record(store_dir, record, stats)
 
 
-def _on_oom(cfg: ExtractConfig, batcher: TokenBudgetBatcher, batch: Batch, message: str, stats: dict,
-            progress: _SafeProgress) -> None:
-    old, floor = batcher.budget, cfg.min_tokens_per_batch
+def _on_oom(cfg: ExtractConfig, batcher: TokenBudgetBatcher, budget: HalvingBudget, batch: Batch, message: str,
+            stats: dict, progress: _SafeProgress) -> None:
+    floor = budget.floor
     what = f"{len(batch.indices)} samples / {batch.padded_tokens:,} padded tokens"
-    if old > floor:
-        batcher.budget = max(old // 2, floor)
-        stats["token_budget_history"].append(batcher.budget)
-        log.warning("out of memory on a batch of %s (%s): token budget halved %s -> %s tokens per batch, retrying "
-                    "the same samples (model stays loaded)", what, message, f"{old:,}", f"{batcher.budget:,}")
+    if budget.halve():
+        batcher.budget = budget.value
+        stats["token_budget_history"].append(budget.value)
+        log.warning("out of memory on a batch of %s (%s): token budget halved %s, retrying the same samples (model "
+                    "stays loaded)", what, message, budget.describe_halving())
         batcher.put_back(batch)
     elif len(batch.indices) > 1:
         log.warning("out of memory on a batch of %s at the token-budget floor (%s tokens, min_tokens_per_batch): "

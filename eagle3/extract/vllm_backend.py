@@ -1,10 +1,10 @@
 """vLLM backend (production, tensor parallel): run ``eagle3.extract.vllm_worker`` in the vLLM environment.
 
 The parent (this module, pipeline env) holds the host GPU lock, writes the samples to do into a work file
-(safetensors: index, offsets, input_ids, loss_mask, because the vLLM env has no pyarrow/datasets), starts the driver
-in its own process group with the lock descriptors inherited (``pass_fds``: the lock stays held while any of them
-lives) and a parent-death signal, follows the store's manifest for progress lines, and kills the whole group on
-timeout, error or cancel. The driver writes the same store format and manifest as the transformers backend.
+(safetensors: index, offsets, input_ids, loss_mask, because the vLLM env has no pyarrow/datasets) and runs the driver
+as an engine job (``eagle3.engine.job.run_engine_job``: its own process group holding the lock, its log file, the
+timeout), following the store's manifest for progress lines. The driver writes the same store format and manifest
+as the transformers backend.
 
 Out of memory: vLLM sizes its KV cache at start-up and a failed allocation kills the engine, so recovery here means
 a restart (the model loads again) with the token budget (``max_num_batched_tokens``) halved, resuming from the
@@ -13,24 +13,23 @@ manifest; samples already written are not redone.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from eagle3.engine.job import on_gpu, run_engine_job
+from eagle3.engine.oom import HalvingBudget
 from eagle3.extract import selfcheck
 from eagle3.extract.config import ExtractConfig
-from eagle3.extract.store import MANIFEST
-from eagle3.support.gpu import OutOfMemoryAfterRetries, is_oom_text
+from eagle3.store import MANIFEST
+from eagle3.support.follow import LineTail
+from eagle3.support.gpu import OutOfMemoryAfterRetries
 from eagle3.support.io import save_safetensors
-from eagle3.support.paths import vllm_python, vllm_subprocess_env
-from eagle3.support.subproc import run_subprocess
 from eagle3.support.verifier import VerifierSpec
 
 log = logging.getLogger("eagle3.extract")
@@ -57,43 +56,6 @@ def write_work_file(path: Path, ds, indices: list[int]) -> None:
                       "input_ids": torch.cat(ids_parts), "loss_mask": torch.cat(mask_parts)}, path)
 
 
-class _ManifestTail:
-    """Follows manifest.jsonl from a byte offset; yields entries of complete new lines."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        st = path.stat() if path.exists() else None
-        self.offset, self.inode = (st.st_size, st.st_ino) if st else (0, None)
-
-    def new_entries_pending(self) -> bool:
-        """True while complete lines beyond the read offset remain (the follower drains them before it stops)."""
-        if not self.path.exists():
-            return False
-        with open(self.path, "rb") as f:
-            if os.fstat(f.fileno()).st_ino != self.inode:
-                return True  # rewritten: new_entries re-reads it
-            f.seek(self.offset)
-            return b"\n" in f.read()
-
-    def new_entries(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        with open(self.path, "rb") as f:
-            st = os.fstat(f.fileno())
-            if st.st_ino != self.inode or st.st_size < self.offset:  # rewritten (repaired by another shard job):
-                self.offset, self.inode = 0, st.st_ino  # re-read it all; the caller ignores entries it already saw
-            f.seek(self.offset)
-            data = f.read()
-        end = data.rfind(b"\n") + 1
-        self.offset += end
-        out = []
-        for line in data[:end].splitlines():
-            with contextlib.suppress(json.JSONDecodeError):
-                if line.strip():
-                    out.append(json.loads(line))
-        return out
-
-
 def run_vllm(
     cfg: ExtractConfig,
     spec: VerifierSpec,
@@ -107,11 +69,11 @@ def run_vllm(
     progress,
     lock_fds: list[int],
 ) -> None:
-    python = vllm_python(cfg.vllm_python)
     work = store_dir / WORK_DIR
     work.mkdir(parents=True, exist_ok=True)
-    on_gpu = torch.cuda.is_available()
-    budget = cfg.max_tokens_per_batch
+    gpu = on_gpu()
+    budget = HalvingBudget(cfg.max_tokens_per_batch, min(cfg.min_tokens_per_batch, cfg.max_tokens_per_batch),
+                           "tokens per step")
     remaining = dict(todo)
     stats["extract_start"] = time.monotonic()
     attempt = 0
@@ -130,50 +92,62 @@ def run_vllm(
             job = {
                 "verifier": str(spec.path), "aux_layer_ids": aux_ids, "num_hidden_layers": spec.num_hidden_layers,
                 "store_dir": str(store_dir), "group_size": meta["group_size"], "store_dtype": meta["dtype"],
-                "work_file": str(work_file),
-                "dtype": compute_dtype,
-                "tensor_parallel_size": cfg.tensor_parallel_size,
-                "max_num_batched_tokens": step_tokens(budget, longest, spec.mla, on_gpu),
+                "work_file": str(work_file), "dtype": compute_dtype,
+                "max_num_batched_tokens": step_tokens(budget.value, longest, spec.mla, gpu),
                 "max_num_seqs": cfg.max_samples_per_batch, "max_model_len": longest,
-                "gpu_memory_utilization": cfg.vllm_gpu_memory_utilization if on_gpu else 0.25,
-                "enforce_eager": True, "trust_remote_code": cfg.trust_remote_code,
                 "chunk_samples": _CHUNK_SAMPLES, "write_timeout_seconds": 300,
                 "selfcheck": None if check is None else {
                     "index": check, "tolerance": cfg.selfcheck_tolerance, "result_file": str(check_file)},
             }
-            job_file = work / f"job-{os.getpid()}.json"
-            job_file.write_text(json.dumps(job, indent=2))
             log_file = work / f"vllm-{os.getpid()}-{attempt}.log"
             stats.setdefault("vllm_logs", []).append(str(log_file))
-            log.info("vLLM backend: starting %s -m eagle3.extract.vllm_worker (attempt %d, %d samples, budget %s "
-                     "padded tokens per step, tensor_parallel_size %d); log %s", python, attempt, len(remaining),
-                     f"{budget:,}", cfg.tensor_parallel_size, log_file)
-            rc = _run_driver(python, job_file, log_file, store_dir, remaining, stats, progress, lock_fds,
-                             cfg.vllm_timeout_seconds)
+            log.info("vLLM backend: attempt %d, %d samples, budget %s padded tokens per step", attempt,
+                     len(remaining), f"{budget.value:,}")
+            result = run_engine_job(cfg.engine, "eagle3.extract.vllm_worker", job, work / f"job-{os.getpid()}.json",
+                                    log_file=log_file, lock_fds=lock_fds,
+                                    follow=_manifest_follower(store_dir, remaining, stats, progress))
             stats["model_loads"] += 1
             if check_file.is_file():  # the driver compared its sample alone and in the batch (raises on a mismatch)
                 selfcheck.record(store_dir, json.loads(check_file.read_text()), stats)
-            if rc == 0 and not remaining:
+            if result.timed_out:
+                raise VllmExtractionError(f"vLLM extraction exceeded engine.timeout_s={cfg.engine.timeout_s:.0f}; "
+                                          f"killed its process group (pids {', '.join(map(str, result.killed_pids))}); "
+                                          f"log {log_file}")
+            if result.ok and not remaining:
                 break
-            tail = _tail(log_file)
-            if rc != 0 and is_oom_text(tail):
-                if budget <= cfg.min_tokens_per_batch:
+            if result.oom:  # vLLM sizes its KV cache at start: recovery is a restart at half the step's tokens
+                if not budget.halve():
                     raise OutOfMemoryAfterRetries(
-                        f"vLLM ran out of memory at the token-budget floor ({budget:,} tokens per step, "
-                        f"min_tokens_per_batch); log {log_file}:\n{tail}")
-                old, budget = budget, max(budget // 2, cfg.min_tokens_per_batch)
-                stats["token_budget_history"].append(budget)
-                log.warning("vLLM ran out of memory: token budget halved %s -> %s tokens per step; restarting "
-                            "(vLLM must reload the model) for the %d samples left", f"{old:,}", f"{budget:,}",
-                            len(remaining))
+                        f"vLLM ran out of memory at the token-budget floor ({budget.value:,} tokens per step, "
+                        f"min_tokens_per_batch); log {log_file}:\n{result.tail()}")
+                stats["token_budget_history"].append(budget.value)
+                log.warning("vLLM ran out of memory: token budget halved %s; restarting (vLLM must reload the "
+                            "model) for the %d samples left", budget.describe_halving(), len(remaining))
                 continue
-            raise VllmExtractionError(f"vLLM extraction driver exited with code {rc} and {len(remaining)} samples "
-                                      f"not written; log {log_file}, last lines:\n{tail}")
+            raise VllmExtractionError(f"vLLM extraction driver exited with code {result.returncode} and "
+                                      f"{len(remaining)} samples not written; log {log_file}, last lines:\n"
+                                      f"{result.tail()}")
     finally:
         for f in work.glob(f"*-{os.getpid()}.*"):
             if f.suffix != ".log":
                 f.unlink(missing_ok=True)
     stats["extract_end"] = time.monotonic()
+
+
+def _manifest_follower(store_dir: Path, remaining: dict[int, int], stats: dict[str, Any], progress):
+    """The driver's progress: each new manifest entry of a sample this job is doing is one sample done."""
+    tail = LineTail(store_dir / MANIFEST)
+
+    def follow() -> None:
+        for e in tail.json_lines():
+            if remaining.pop(int(e["index"]), None) is not None:
+                if not stats["samples_written"]:
+                    progress.restart()  # first sample: the model is loaded, start the tok/s clock
+                stats["samples_written"] += 1
+                stats["bytes_written"] += int(e.get("bytes", 0))
+                progress.update(1, int(e["tokens"]))
+
+    return follow
 
 
 def selfcheck_sample(remaining: dict[int, int], window: int = 64) -> int | None:
@@ -189,48 +163,3 @@ def step_tokens(budget: int, longest: int, mla: bool, on_gpu: bool) -> int:
     than the budget is never scheduled and the engine waits forever (measured on a Kimi-shaped verifier: a 130-token
     sample at a 128-token budget); there a step must hold the ``longest`` prompt."""
     return max(budget, longest) if mla and not on_gpu else budget
-
-
-def _run_driver(python: str, job_file: Path, log_file: Path, store_dir: Path, remaining: dict[int, int],
-                stats: dict[str, Any], progress, lock_fds: list[int],
-                timeout_seconds: float) -> int:
-    """Run the driver (its own process group under the guard, which holds the lock fds as long as the group lives:
-    vLLM's engine core has no parent-death check of its own); vLLM's output goes to ``log_file``, its errors and
-    our own lines to the log; a thread follows the manifest for progress meanwhile."""
-    tail = _ManifestTail(store_dir / MANIFEST)
-    stop = threading.Event()
-
-    def follow() -> None:
-        while True:
-            for e in tail.new_entries():
-                if remaining.pop(int(e["index"]), None) is not None:
-                    if not stats["samples_written"]:
-                        progress.restart()  # first sample: the model is loaded, start the tok/s clock
-                    stats["samples_written"] += 1
-                    stats["bytes_written"] += int(e.get("bytes", 0))
-                    progress.update(1, int(e["tokens"]))
-            if stop.is_set() and not tail.new_entries_pending():  # the driver ended and every line was read
-                return
-            stop.wait(0.5)
-
-    follower = threading.Thread(target=follow, name="eagle3-vllm-manifest", daemon=True)
-    follower.start()
-    try:
-        result = run_subprocess([python, "-m", "eagle3.extract.vllm_worker", str(job_file)], env=vllm_subprocess_env(),
-                                timeout_s=timeout_seconds or None, log_prefix="[vllm] ", log_file=log_file,
-                                pass_fds=lock_fds, grace_s=10.0)
-    finally:
-        stop.set()
-        follower.join(timeout=30)
-    if result.timed_out:
-        pids = ", ".join(map(str, result.killed_pids))
-        raise VllmExtractionError(f"vLLM extraction exceeded vllm_timeout_seconds={timeout_seconds:.0f}; killed its "
-                                  f"process group (pids {pids}); log {log_file}")
-    return result.returncode
-
-
-def _tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""

@@ -15,7 +15,7 @@ driver passes per request in ``kv_transfer_params``. Only tensor-parallel rank 0
 Settings (``kv_connector_extra_config``): ``eagle3_store_dir``, ``eagle3_group_size``, ``eagle3_store_dtype``,
 ``eagle3_n_aux`` (the last cached state is the final one), ``num_writer_threads``.
 
-Imports only torch, vllm and ``eagle3.extract.store`` (torch + safetensors), as modules run in the vLLM env must.
+Imports only torch, vllm and ``eagle3.store`` (torch + safetensors), as modules run in the vLLM env must.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 from vllm.logger import init_logger
 
 from eagle3.extract.selfcheck import SELFCHECK_DIR
-from eagle3.extract.store import STORE_DTYPES, append_manifest, serialize_sample, write_sample_bytes
+from eagle3.store import STORE_DTYPES, append_manifest, serialize_sample, token_digest, write_sample_bytes
 from eagle3.support.io import save_safetensors
 
 logger = init_logger(__name__)
@@ -119,9 +119,10 @@ class Eagle3StoreConnector(ExampleHiddenStatesConnector):
                 return
         aux = states[:, : self._n_aux].reshape(n, self._n_aux * h)  # [T, n_aux * H], ascending layer ids
         final = states[:, self._n_aux]  # [T, H], last layer output before the final norm
-        data = serialize_sample(aux, final, pending.token_ids, torch.tensor(pending.loss_mask, dtype=torch.uint8),
-                                self._store_dtype, pending.index)
-        entry = write_sample_bytes(self._store_dir, pending.index, data, n, self._group_size)
+        loss_mask = torch.tensor(pending.loss_mask, dtype=torch.uint8)  # [T]
+        data = serialize_sample(aux, final, pending.token_ids, loss_mask, self._store_dtype, pending.index)
+        entry = write_sample_bytes(self._store_dir, pending.index, data, n, token_digest(pending.token_ids, loss_mask),
+                                   self._group_size)
         append_manifest(self._store_dir, entry)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

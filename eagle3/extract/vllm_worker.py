@@ -1,6 +1,6 @@
 """vLLM-side driver of the vLLM extraction backend: ``python -m eagle3.extract.vllm_worker <job.json>``.
 
-Runs in the vLLM environment (imports torch, safetensors, vllm and ``eagle3.extract.store`` only). Started by
+Runs in the vLLM environment (imports torch, safetensors, vllm and ``eagle3.store`` only). Started by
 ``eagle3.extract.vllm_backend`` in its own process group; the parent holds the GPU lock, watches the manifest for
 progress and kills the whole group on timeout or cancel.
 
@@ -11,10 +11,11 @@ store. Prefix caching is OFF: a cached prefix would skip the forward of those to
 
 Job file keys: verifier, aux_layer_ids, num_hidden_layers, store_dir, group_size, store_dtype, work_file
 (safetensors: index [N] int64, offsets [N+1] int64, input_ids [sum T] int32, loss_mask [sum T] uint8),
-dtype, tensor_parallel_size, max_num_batched_tokens, max_num_seqs, max_model_len, gpu_memory_utilization,
-enforce_eager, trust_remote_code, chunk_samples, write_timeout_seconds, selfcheck (None, or index, tolerance and
+dtype, max_num_batched_tokens, max_num_seqs, max_model_len, engine (the engine settings' ``vllm.LLM`` arguments),
+chunk_samples, write_timeout_seconds, selfcheck (None, or index, tolerance and
 result_file: the sample is first extracted alone, then second in the first chunk; the driver compares the two raw
-copies the connector keeps (eagle3/extract/selfcheck.py), writes the result and stops with code 4 on a mismatch).
+copies the connector keeps (eagle3/extract/selfcheck.py), writes the result and stops with EXIT_SELFCHECK on a
+mismatch).
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from eagle3.extract.store import read_manifest
-
-SELFCHECK_FAILED = 4  # exit status: the self-check found batch-dependent states
+from eagle3.engine.exits import EXIT_INCOMPLETE, EXIT_SELFCHECK
+from eagle3.store import read_manifest
 
 
 def build_llm(job: dict):
@@ -36,13 +36,9 @@ def build_llm(job: dict):
     return LLM(
         model=job["verifier"],
         dtype=job["dtype"],
-        tensor_parallel_size=job["tensor_parallel_size"],
         max_model_len=job["max_model_len"],
         max_num_batched_tokens=job["max_num_batched_tokens"],
         max_num_seqs=job["max_num_seqs"],
-        gpu_memory_utilization=job["gpu_memory_utilization"],
-        enforce_eager=job["enforce_eager"],
-        trust_remote_code=job["trust_remote_code"],
         enable_prefix_caching=False,
         skip_tokenizer_init=True,  # prompts arrive as token ids; verifiers need not ship a tokenizer here
         disable_log_stats=True,
@@ -63,6 +59,7 @@ def build_llm(job: dict):
                 "num_writer_threads": 4,
             },
         },
+        **job["engine"],  # the pipeline's engine settings (eagle3.engine.settings.EngineSettings.llm_kwargs)
     )
 
 
@@ -97,7 +94,7 @@ def main(job_path: str) -> int:
                                 for j in range(a, min(a + chunk, len(index)))))
         llm.generate(list(prompts), list(params), use_tqdm=False)
         if check and a == 0 and not _compare(job, check, min(chunk, len(index)), time.monotonic() - t0):
-            return SELFCHECK_FAILED
+            return EXIT_SELFCHECK
     # writes finish on the connector's threads: wait until the manifest lists every sample of this job
     want, deadline = set(index), time.monotonic() + float(job["write_timeout_seconds"])
     while True:
@@ -108,7 +105,7 @@ def main(job_path: str) -> int:
         if time.monotonic() > deadline:
             print(f"[eagle3-vllm] {len(missing)} samples never reached the store, e.g. {sorted(missing)[:10]}",
                   file=sys.stderr, flush=True)
-            return 3
+            return EXIT_INCOMPLETE
         time.sleep(0.2)
 
 

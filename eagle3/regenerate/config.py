@@ -7,7 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from eagle3.support.settings import RUNTIME
+from eagle3.engine.settings import EngineSettings
+from eagle3.support.settings import INLINE, RUNTIME
 
 
 class RegenerateConfig(BaseModel):
@@ -36,21 +37,15 @@ class RegenerateConfig(BaseModel):
                                 json_schema_extra=RUNTIME)
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="Compute dtype of the verifier in vLLM; 'auto' = the checkpoint's own on GPUs, float32 "
-        "on a CPU without native bf16 matmul (the same rule as extraction).")
-    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="vLLM on GPUs: fraction of each GPU's "
-                                          "memory vLLM may use (ignored on CPU: VLLM_CPU_KVCACHE_SPACE, GiB).",
-                                          json_schema_extra=RUNTIME)
-    timeout_s: float = Field(0.0, ge=0.0, description="Kill the vLLM subprocess (its whole group) after this many "
-                             "seconds; 0 = none.", json_schema_extra=RUNTIME)
+        "on a CPU without native bf16 matmul (the same rule as extraction). The pipeline sets extraction's: the "
+        "answers are written at the precision the features are taken at.")
     log_every_seconds: float = Field(30.0, ge=0.0, description="Progress line every S seconds (0 = per batch only).",
                                      json_schema_extra=RUNTIME)
-    # the engine: the pipeline fills these from the extraction settings (same interpreter, same GPUs)
+    # filled by the pipeline: the longest conversation (its max_seq_len) and its engine settings
     max_model_len: int = Field(2048, gt=1, description="Longest conversation in tokens (prompt + answers): rows "
                                "whose prompt leaves no room are dropped and named.")
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per model (count).", json_schema_extra=RUNTIME)
-    vllm_python: str | None = Field(None, description="Interpreter of the vLLM environment; None = "
-                                    "$EAGLE3_VLLM_PYTHON or the checkout's .venv-vllm.", json_schema_extra=RUNTIME)
-    trust_remote_code: bool = Field(False, description="Let transformers/vLLM run the verifier's own code.")
+    engine: EngineSettings = Field(default_factory=EngineSettings, description="The vLLM engine (the pipeline's "
+                                   "engine settings).", json_schema_extra=INLINE)
 
     def with_smaller_batches(self, scale: float) -> RegenerateConfig:
         """The same regeneration at ``scale`` (1/2, 1/4, ...) of the batch of rows, floored at min_batch_rows (an

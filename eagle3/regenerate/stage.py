@@ -11,33 +11,44 @@ sees the regenerated earlier ones; system prompts kept). Finished rows land in `
 a rerun continues from it, so a kill -9 loses at most the batch in flight and every row ends up exactly once.
 The output is ``conversations.jsonl`` (OpenAI messages, the prepared order) for the prepare stage to read.
 
-Why regeneration does not share one vLLM engine session with extraction: extraction's engine runs vLLM's
-``extract_hidden_states`` speculative method with our KV connector and prefix caching off (prefill only), which a
-live engine cannot switch off for generation; and the prepare + capacity stages run in between. The cost is one
-more verifier load (about 22 minutes for Kimi-K2.5), which the capacity plan shows.
+Verifier loads (the capacity plan counts them: eagle3.capacity.verifier_loads). This stage's engine session also
+generates validation's verifier-alone baseline when the engines match (eagle3.validate.baseline), so validation
+starts only the engine with the draft: the kimi-k2.5 preset loads the verifier 3 times per run (regeneration,
+extraction, validation), not 4. Why not 2, i.e. why regeneration does not share extraction's engine session:
+extraction's engine is started with vLLM's ``extract_hidden_states`` speculative method, our KV connector and prefix
+caching off; vLLM fixes all three at engine start. Generating in that engine would run its proposer on every
+decode step (two tokens verified per step, each step's aux + final states cached per token: (n_aux + 1) x hidden
+values, for Kimi-K2.5 4 x 7168 bf16 = 57 KB a token beside MLA's ~70 KB of KV cache, so far fewer sequences in
+flight) and lose prefix caching between the turns of a conversation; and what extraction reads is the regenerated
+conversations after the prepare stage (rendered, masked, filtered, in the pipeline environment). One session for
+both would cost generation throughput on every run to save one load.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import Field
 
-from eagle3.prepare import BadRow, PrepareConfig, PreparedData, iter_rows, load_prepared, normalize_row
+from eagle3.chat.dataset import load_prepared
+from eagle3.chat.errors import BadRow
+from eagle3.chat.sources import iter_rows, normalize_row
+from eagle3.engine.job import run_engine_job
+from eagle3.prepare import PrepareConfig, PreparedData
 from eagle3.regenerate.config import RegenerateConfig
 from eagle3.support.artifacts import Artifact, file_problem
 from eagle3.support.dtypes import describe_compute_dtype
 from eagle3.support.gpu import DeviceGuard, OutOfMemoryAfterRetries, cuda_device_ids, file_lock_guard
 from eagle3.support.io import atomic_write_json, atomic_write_text, sha256_file
-from eagle3.support.paths import REPO_ROOT, vllm_python, vllm_subprocess_env
+from eagle3.support.paths import resolve_path
 from eagle3.support.progress import Progress
-from eagle3.support.subproc import run_subprocess
 from eagle3.support.verifier import VerifierIdentity
+from eagle3.validate.baseline import BASELINES, baseline_path, request_for_validation, reuse_problem
+from eagle3.validate.config import ValidateConfig
 
 log = logging.getLogger("eagle3")
 
@@ -73,6 +84,8 @@ class RegeneratedData(Artifact):
     generate_seconds: float = Field(description="Generation wall time of the last invocation, seconds.")
     rows_resumed: int = Field(description="Rows already in the journal from an interrupted run (not redone).")
     sampling: dict[str, Any] = Field(description="temperature, top_p, max_new_tokens (tokens), seed, reasoning.")
+    baselines_dir: str | None = Field(None, description="Validation's verifier-alone baselines this stage's engine "
+                                      "sessions generated (eagle3.validate.baseline), by request key.")
 
     def outputs(self) -> list[str]:
         return [self.conversations_path, self.stats_path]
@@ -81,6 +94,23 @@ class RegeneratedData(Artifact):
         """Reuse check: conversations.jsonl's sha256 is the fingerprint (text: ~4 KB per conversation)."""
         return super().problems() or [p for p in [file_problem(self.conversations_path, sha256=self.fingerprint)]
                                       if p]
+
+
+def _baseline_job(cfg: RegenerateConfig, validation: ValidateConfig | None, prepare_cfg: PrepareConfig, dtype: str,
+                  out_dir: Path) -> dict[str, Any] | None:
+    """The driver's baseline job for validation (request + output file), or None with the reason logged."""
+    if validation is None:
+        return None
+    prompts = prepare_cfg.chat_settings().held_out_prompt_ids(resolve_path(validation.prompts_path),
+                                                              validation.num_prompts)
+    request = request_for_validation(validation, prompts)
+    problem = reuse_problem(validation, cfg.enabled, dtype, cfg.engine, cfg.max_model_len, request)
+    if problem:
+        log.info("[regenerate] validation will start its own verifier-alone engine: %s", problem)
+        return None
+    log.info("[regenerate] this engine session also generates validation's verifier-alone baseline (%d held-out "
+             "prompts, %d new tokens): one verifier load less later", len(prompts), request.max_new_tokens)
+    return {"request": request.model_dump(), "out": str(baseline_path(out_dir / BASELINES, request))}
 
 
 def read_journal(path: Path) -> dict[int, dict]:
@@ -126,10 +156,13 @@ def selected_conversations(prepared: PreparedData, prepare_cfg: PrepareConfig) -
 def regenerate(cfg: RegenerateConfig, prepared: PreparedData, prepare_cfg: PrepareConfig,
                verifier: VerifierIdentity, out_dir: str | Path, *, guard: DeviceGuard | None = None,
                on_progress: Callable[[int, int, str], None] | None = None,
-               inject_oom_batches: list[int] | None = None) -> RegeneratedData:
+               inject_oom_batches: list[int] | None = None,
+               validation: ValidateConfig | None = None) -> RegeneratedData:
     """Regenerate the assistant turns of the rows ``prepared`` kept (read from ``prepare_cfg.sources``) into
     ``out_dir``; resumes from the journal. ``guard`` holds the devices while vLLM runs (default: the host file
-    lock alone); ``inject_oom_batches`` is a test hook (see vllm_worker)."""
+    lock alone); ``inject_oom_batches`` is a test hook (see vllm_worker). ``validation``: the run's validation
+    settings, for whose verifier-alone baseline the same engine session also generates when the engines match
+    (eagle3.validate.baseline; never part of what is regenerated)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     journal = out_dir / JOURNAL
@@ -140,7 +173,7 @@ def regenerate(cfg: RegenerateConfig, prepared: PreparedData, prepare_cfg: Prepa
     resumed = len(read_journal(journal))
     if any(r["index"] not in read_journal(journal) for r in rows):
         # decide what is left UNDER the guard: a run that waited for it must see what the previous holder wrote
-        with (guard or file_lock_guard(logger=log))(cuda_device_ids(count=cfg.tensor_parallel_size)) as fds:
+        with (guard or file_lock_guard(logger=log))(cuda_device_ids(count=cfg.engine.tensor_parallel_size)) as fds:
             done = read_journal(journal)
             todo = [r for r in rows if r["index"] not in done]
             resumed = len(rows) - len(todo)
@@ -148,82 +181,51 @@ def regenerate(cfg: RegenerateConfig, prepared: PreparedData, prepare_cfg: Prepa
                      "%d, batches of %d rows, dtype %s", len(rows), resumed, journal, cfg.temperature, cfg.top_p,
                      cfg.max_new_tokens, cfg.batch_rows, dtype)
             if todo:
+                baseline = _baseline_job(cfg, validation, prepare_cfg, dtype, out_dir)
                 stats.update(_run_driver(cfg, todo, len(rows), prepare_cfg, verifier, dtype, out_dir, fds,
-                                         on_progress, inject_oom_batches))
+                                         on_progress, inject_oom_batches, baseline))
     return _finish(cfg, rows, read_journal(journal), resumed, stats, out_dir, dtype)
 
 
 def _run_driver(cfg: RegenerateConfig, todo: list[dict], total: int, prepare_cfg: PrepareConfig,
                 verifier: VerifierIdentity, dtype: str, out_dir: Path, lock_fds: list[int],
                 on_progress: Callable[[int, int, str], None] | None,
-                inject_oom_batches: list[int] | None) -> dict[str, Any]:
-    """Run the vLLM generation driver over ``todo``; returns its stats (engine start, generation time, tokens)."""
+                inject_oom_batches: list[int] | None, baseline: dict[str, Any] | None) -> dict[str, Any]:
+    """Run the vLLM generation driver over ``todo`` (one engine job); returns its stats (engine start, generation
+    time, tokens)."""
     journal = out_dir / JOURNAL
-    python = vllm_python(cfg.vllm_python)
     work = out_dir / "work.jsonl"
     atomic_write_text(work, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in todo))
     job = {"verifier": verifier.path, "work_file": str(work), "journal": str(journal),
-           "stats_file": str(out_dir / "driver_stats.json"), "chat_template": _template(prepare_cfg),
-           "dtype": dtype, "tensor_parallel_size": cfg.tensor_parallel_size, "max_model_len": cfg.max_model_len,
-           "gpu_memory_utilization": cfg.gpu_memory_utilization, "trust_remote_code": cfg.trust_remote_code,
+           "stats_file": str(out_dir / "driver_stats.json"), "chat": prepare_cfg.chat_settings().model_dump(),
+           "dtype": dtype, "max_model_len": cfg.max_model_len,
            "temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
            "seed": cfg.seed, "reasoning": cfg.reasoning, "reasoning_start": cfg.reasoning_start,
            "reasoning_end": cfg.reasoning_end, "batch_rows": cfg.batch_rows, "min_batch_rows": cfg.min_batch_rows,
-           "inject_oom_batches": inject_oom_batches or []}
-    job_file = atomic_write_json(out_dir / "job.json", job)
+           "inject_oom_batches": inject_oom_batches or [], "baseline": baseline}
     (out_dir / "driver_stats.json").unlink(missing_ok=True)
-    cmd = [python, "-m", "eagle3.regenerate.vllm_worker", str(job_file)]
     progress = Progress("regenerate", total, unit="conversations", every_s=cfg.log_every_seconds, logger=log,
                         on_update=on_progress)
     progress.done = total - len(todo)
-    with _follow_journal(journal, progress):
-        result = run_subprocess(cmd, env=vllm_subprocess_env(), timeout_s=cfg.timeout_s or None,
-                                log_prefix="[vllm] ", cwd=REPO_ROOT, log_file=out_dir / VLLM_LOG,
-                                pass_fds=lock_fds)
-    if result.returncode == 3:
+    seen = [len(read_journal(journal))]
+
+    def follow() -> None:  # a line per batch the driver appended to the journal
+        n = len(read_journal(journal))
+        if n > seen[0]:
+            progress.update(n - seen[0], extra="batch written")
+            seen[0] = n
+
+    result = run_engine_job(cfg.engine, "eagle3.regenerate.vllm_worker", job, out_dir / "job.json",
+                            log_file=out_dir / VLLM_LOG, lock_fds=lock_fds, follow=follow, follow_every_s=1.0)
+    if result.oom:
         raise OutOfMemoryAfterRetries(f"regeneration ran out of memory at the batch floor (min_batch_rows "
-                                      f"{cfg.min_batch_rows}); last output:\n{result.stdout[-3000:]}")
-    if result.returncode != 0 or result.timed_out:
+                                      f"{cfg.min_batch_rows}); last output:\n{result.tail(60)}")
+    if not result.ok:
         raise RegenerateError(f"the vLLM generation driver failed (exit {result.returncode}"
                               f"{', timed out' if result.timed_out else ''}); its whole output is in "
-                              f"{out_dir / VLLM_LOG}; last lines:\n{result.stdout[-4000:]}")
+                              f"{out_dir / VLLM_LOG}; last lines:\n{result.tail(80)}")
     work.unlink(missing_ok=True)
     return json.loads((out_dir / "driver_stats.json").read_text())
-
-
-def _template(prepare_cfg: PrepareConfig) -> str | None:
-    """The chat template the prepare stage renders with (its override, as text), so prompts match training."""
-    if prepare_cfg.chat_template is None:
-        return None
-    from eagle3.prepare import load_chat_tokenizer
-
-    return load_chat_tokenizer(prepare_cfg.tokenizer_path, prepare_cfg.chat_template,
-                               prepare_cfg.trust_remote_code)[1]
-
-
-class _follow_journal:
-    """Counts journal lines while the driver runs and feeds the count to ``progress`` (a line per batch)."""
-
-    def __init__(self, journal: Path, progress: Progress):
-        self.journal, self.progress, self.stop = journal, progress, threading.Event()
-        self.start_lines = len(read_journal(journal))
-
-    def __enter__(self):
-        self.thread = threading.Thread(target=self._run, name="eagle3-regenerate-progress", daemon=True)
-        self.thread.start()
-        return self
-
-    def _run(self) -> None:
-        seen = self.start_lines
-        while not self.stop.wait(1.0):
-            n = len(read_journal(self.journal))
-            if n > seen:
-                self.progress.update(n - seen, extra="batch written")
-                seen = n
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.thread.join(timeout=5)
 
 
 def _finish(cfg: RegenerateConfig, rows: list[dict], journal: dict[int, dict], resumed: int, stats: dict,
@@ -263,6 +265,7 @@ def _finish(cfg: RegenerateConfig, rows: list[dict], journal: dict[int, dict], r
     log_file = out_dir / VLLM_LOG
     artifact = RegeneratedData(out_dir=str(out_dir), fingerprint=sha256_file(conversations),
                                conversations_path=str(conversations), stats_path=str(stats_path),
-                               vllm_log=str(log_file) if log_file.is_file() else None, **summary)
+                               vllm_log=str(log_file) if log_file.is_file() else None,
+                               baselines_dir=str(out_dir / BASELINES), **summary)
     artifact.save()
     return artifact

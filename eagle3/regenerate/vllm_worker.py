@@ -1,20 +1,23 @@
 """vLLM-side driver of the regenerate stage: ``python -m eagle3.regenerate.vllm_worker <job.json>``.
 
-Runs in the vLLM environment (imports vllm, transformers and stdlib-only eagle3 modules). Started by
-``eagle3.regenerate.stage`` in its own process group under the subprocess guard, holding the host's GPU lock.
+Runs in the vLLM environment (imports vllm, transformers and eagle3 modules that need nothing else). Started by
+``eagle3.regenerate.stage`` through the engine layer (``eagle3.engine.job.run_engine_job``): its own process group,
+holding the host's GPU lock.
 
 Job keys: verifier, work_file (jsonl of {"index", "messages"}: the conversations to do), journal (jsonl the driver
-appends finished rows to), stats_file, chat_template (or null: the tokenizer's), dtype, tensor_parallel_size,
-max_model_len (tokens), gpu_memory_utilization, trust_remote_code, temperature, top_p, max_new_tokens, seed,
-reasoning ("keep" | "strip"), reasoning_start, reasoning_end, batch_rows, min_batch_rows, inject_oom_batches (test
-hook: batch numbers whose first attempt raises an out-of-memory error).
+appends finished rows to), stats_file, chat (eagle3.chat.encoder.ChatSettings: the prepare stage's tokenizer and
+template), dtype, max_model_len (tokens), engine (the engine settings' ``vllm.LLM`` arguments), temperature,
+top_p, max_new_tokens, seed, reasoning ("keep" | "strip"), reasoning_start, reasoning_end, batch_rows, min_batch_rows, inject_oom_batches (test
+hook: batch numbers whose first attempt raises an out-of-memory error), baseline (None, or validation's baseline
+request and its output file: generated on this engine once the conversations are done, eagle3.validate.baseline).
 
 Per batch of ``batch_rows`` conversations, turn by turn: round r renders every row's messages up to its r-th
 assistant turn (system prompt and earlier REGENERATED turns included) with the chat template and a generation
 prompt, generates all of them in one ``LLM.generate`` call, and puts the answers in place. When the batch is done
 its rows are appended to the journal in one write + fsync, so a kill loses at most the batch in flight; rows that
 cannot be regenerated (template error, prompt longer than max_model_len, empty answer) are journaled as dropped
-with the reason. An out-of-memory error halves the batch and retries it with the engine still loaded.
+with the reason. An out-of-memory error halves the batch and retries it with the engine still loaded
+(``eagle3.engine.oom.HalvingBudget``); at the floor the driver exits with ``EXIT_OOM``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from eagle3.chat.errors import BadRow
 from eagle3.support.io import atomic_write_json
 
 END_OF_TURN_RESERVE = 8  # tokens of max_model_len kept free after a regenerated answer (end of turn + newline)
@@ -54,7 +58,7 @@ def _assistant_turns(messages: list[dict]) -> list[int]:
     return [i for i, m in enumerate(messages) if m["role"] == "assistant"]
 
 
-def regenerate_batch(llm, tokenizer, rows: list[dict], job: dict, stats: dict) -> list[dict]:
+def regenerate_batch(llm, encoder, rows: list[dict], job: dict, stats: dict) -> list[dict]:
     """Regenerate every assistant turn of ``rows`` ({"index", "messages"}), turn by turn. Returns journal lines.
 
     ``stats["tokens_generated"]`` grows only when the whole batch is done: a batch that runs out of memory at a later
@@ -74,12 +78,10 @@ def regenerate_batch(llm, tokenizer, rows: list[dict], job: dict, stats: dict) -
             if s["dropped"] or s["done"] >= len(s["turns"]):
                 continue
             at = s["turns"][s["done"]]
-            try:
-                ids = tokenizer.apply_chat_template(s["messages"][:at], chat_template=job.get("chat_template"),
-                                                    add_generation_prompt=True, tokenize=True, return_dict=True)
-                ids = list(ids["input_ids"])
-            except Exception as e:  # noqa: BLE001 - a template that raises on this row: the row is dropped, named
-                s["dropped"] = {"reason": "template_error", "detail": f"{type(e).__name__}: {e}"[:300]}
+            try:  # rendered by the one chat encoder, with the prepare stage's tokenizer and template
+                (ids,) = encoder.prompt_ids([s["messages"][:at]])
+            except BadRow as e:  # a template that raises on this row: the row is dropped, named
+                s["dropped"] = {"reason": "template_error", "detail": str(e)[:300]}
                 continue
             # the answer may take what is left of max_model_len, less what the template writes after it (the
             # end-of-turn token and its newline): a conversation that fills the context must still fit it
@@ -139,9 +141,11 @@ def append_journal(path: Path, lines: list[dict]) -> None:
 
 
 def main(job_path: str) -> int:
-    from transformers import AutoTokenizer
     from vllm import LLM
 
+    from eagle3.chat.encoder import ChatSettings
+    from eagle3.engine.exits import EXIT_OOM
+    from eagle3.engine.oom import HalvingBudget
     from eagle3.support.gpu import is_oom_text
 
     job = json.loads(Path(job_path).read_text())
@@ -149,45 +153,65 @@ def main(job_path: str) -> int:
     journal = Path(job["journal"])
     stats = {"rows": len(rows), "tokens_generated": 0, "generate_seconds": 0.0, "oom_halvings": 0,
              "batch_rows": int(job["batch_rows"])}
-    tokenizer = AutoTokenizer.from_pretrained(job["verifier"], trust_remote_code=bool(job["trust_remote_code"]))
+    encoder = ChatSettings.model_validate(job["chat"]).encoder()
     t0 = time.monotonic()
-    llm = LLM(model=job["verifier"], dtype=job["dtype"], tensor_parallel_size=int(job["tensor_parallel_size"]),
-              max_model_len=int(job["max_model_len"]), gpu_memory_utilization=float(job["gpu_memory_utilization"]),
-              trust_remote_code=bool(job["trust_remote_code"]), enforce_eager=True, seed=int(job["seed"]),
-              disable_log_stats=True,
-              distributed_executor_backend="uni" if int(job["tensor_parallel_size"]) == 1 else "mp")
+    llm = LLM(model=job["verifier"], dtype=job["dtype"], max_model_len=int(job["max_model_len"]),
+              seed=int(job["seed"]), disable_log_stats=True, **job["engine"])
     stats["engine_start_seconds"] = time.monotonic() - t0
     print(f"[regenerate] engine ready in {stats['engine_start_seconds']:.1f} s; {len(rows)} conversations to do",
           flush=True)
     inject = set(job.get("inject_oom_batches") or [])
-    size, done, batch_no = int(job["batch_rows"]), 0, 0
+    budget = HalvingBudget(int(job["batch_rows"]), min(int(job["min_batch_rows"]), int(job["batch_rows"])), "rows")
+    done, batch_no = 0, 0
     while done < len(rows):
-        batch = rows[done:done + size]
+        batch = rows[done:done + budget.value]
         try:
             if batch_no in inject:
                 inject.discard(batch_no)
                 raise InjectedOOM("CUDA out of memory (injected by the test hook inject_oom_batches)")
-            lines = regenerate_batch(llm, tokenizer, batch, job, stats)
+            lines = regenerate_batch(llm, encoder, batch, job, stats)
         except Exception as e:  # only OOM is handled here; anything else ends the driver with its traceback
             if not is_oom_text(f"{type(e).__name__}: {e}"):
                 raise
-            if size <= int(job["min_batch_rows"]):
-                print(f"[regenerate] out of memory at the batch floor ({size} rows, min_batch_rows): {e}",
+            if not budget.halve():
+                print(f"[regenerate] out of memory at the batch floor ({budget.value} rows, min_batch_rows): {e}",
                       file=sys.stderr, flush=True)
-                return 3
-            size = max(size // 2, int(job["min_batch_rows"]))
+                return EXIT_OOM
             stats["oom_halvings"] += 1
-            print(f"[regenerate] out of memory on a batch of {len(batch)} rows ({e}); batch halved to {size} rows, "
-                  f"retrying with the engine still loaded", flush=True)
+            print(f"[regenerate] out of memory on a batch of {len(batch)} rows ({e}); batch halved "
+                  f"{budget.describe_halving()}, retrying with the engine still loaded", flush=True)
             continue
         append_journal(journal, lines)
         done += len(batch)
         batch_no += 1
         print(f"[regenerate] batch {batch_no}: {done}/{len(rows)} conversations, {stats['tokens_generated']:,} "
               f"tokens generated in {stats['generate_seconds']:.0f} s", flush=True)
-    stats["batch_rows_final"] = size
+    stats["batch_rows_final"] = budget.value
+    if job.get("baseline"):
+        stats["baseline_seconds"] = validation_baseline(llm, job["baseline"])
     atomic_write_json(job["stats_file"], stats)
     return 0
+
+
+def validation_baseline(llm, baseline: dict) -> float:
+    """Validation's verifier-alone baseline on this engine (eagle3.validate.baseline): greedy outputs of the
+    held-out prompts and their timed decodes, written to ``baseline["out"]``; returns the seconds it took."""
+    import vllm
+
+    from eagle3.validate.vllm_check import measure
+
+    t0 = time.monotonic()
+    req = baseline["request"]
+    print(f"[regenerate] validation's verifier-alone baseline: {len(req['prompt_token_ids'])} held-out prompts, "
+          f"{req['max_new_tokens']} new tokens, speed at concurrency {req['speed_levels'] or 'not measured'}",
+          flush=True)
+    args = {"num_speculative_tokens": 1, "max_new_tokens": req["max_new_tokens"], "speed_repeats": req["speed_repeats"]}
+    result = measure(llm, args, req["prompt_token_ids"], None, reference=True, levels=req["speed_levels"],
+                     tag="B-regenerate")
+    Path(baseline["out"]).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(baseline["out"], {"request": req, "result": result, "vllm_version": vllm.__version__,
+                                        "source": "the regeneration's engine session"})
+    return time.monotonic() - t0
 
 
 if __name__ == "__main__":  # vLLM spawns worker processes: keep the entry point guarded

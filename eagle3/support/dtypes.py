@@ -51,7 +51,7 @@ _BY_TORCH = {d.torch: d for d in DTYPES.values()}
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")  # what a verifier or draft may run in
 STORE_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")  # what the hidden-state store may hold
 # store dtypes too narrow in range for raw states: each token's state is stored divided by a float32 scale
-# (eagle3.extract.store quantize_states / dequantize_states)
+# (eagle3.store quantize_states / dequantize_states)
 SCALED_DTYPES = ("float8_e4m3fn",)
 
 
@@ -97,11 +97,29 @@ def cpu_has_native_bf16() -> bool:
         return False
 
 
+class DeviceError(ValueError):
+    """A device that this host does not have (e.g. 'cuda' without CUDA)."""
+
+
 def device_type(device: str | torch.device | None) -> str:
-    """"cuda" or "cpu" for a device spec; "auto"/None mean cuda when available."""
+    """"cuda" or "cpu" for a device spec; "auto"/None mean cuda when available. THE device rule: every stage
+    resolves its device setting through this (or ``resolve_device``)."""
     if device is None or str(device) == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(device).type
+
+
+def resolve_device(device: str | torch.device | None, local_rank: int = 0) -> torch.device:
+    """The torch device of a device setting: "auto"/None = cuda:<local_rank> when CUDA is available, else cpu; a
+    bare "cuda" = cuda:<local_rank> (one process per GPU); "cuda:1" as written. DeviceError when CUDA is asked for
+    and this host has none."""
+    kind = device_type(device)
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(f"device {str(device)!r} requested but CUDA is not available on this host")
+        d = torch.device(device) if device is not None and str(device) != "auto" else torch.device("cuda")
+        return d if d.index is not None else torch.device("cuda", local_rank)
+    return torch.device(kind)
 
 
 def resolve_compute_dtype(requested: str, checkpoint_dtype: str, device: str | torch.device | None) -> str:

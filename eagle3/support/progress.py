@@ -48,7 +48,9 @@ class Progress:
         self._last_n = 0
         self._rate_from: tuple[float, int] | None = None  # (time, done) of the first update: where the rate starts
 
-    def update(self, n: int = 1, tokens: int = 0, extra: str = "") -> None:
+    def update(self, n: int = 1, tokens: int = 0, extra: str = "", force: bool = False) -> None:
+        """Count ``n`` more items; a line when one is due (the first update, every_n, every_s, the total) or when
+        ``force`` (a caller that decides itself, e.g. training at its log steps, so that ``extra`` is never lost)."""
         first = self._rate_from is None
         if first:
             self._rate_from = (time.monotonic(), self.done + n)
@@ -57,7 +59,7 @@ class Progress:
         now = time.monotonic()
         due_n = self.every_n and self.done - self._last_n >= self.every_n
         due_s = self.every_s and now - self._last_t >= self.every_s
-        if first or due_n or due_s or (self.total and self.done >= self.total):
+        if first or force or due_n or due_s or (self.total and self.done >= self.total):
             self.emit(extra)
 
     def line(self, extra: str = "") -> str:

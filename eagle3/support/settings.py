@@ -20,6 +20,9 @@ from pydantic import BaseModel
 FLAG = "changes_output"
 RUNTIME = {FLAG: False}
 RESUMABLE = {FLAG: "resumable"}
+# a nested settings model whose fields count as the parent's own in cache keys (the engine settings inside each
+# stage's config: a stage's key is what it was before they moved into their own model)
+INLINE = {"inline_in_key": True}
 
 
 def kind(model: type[BaseModel] | BaseModel, name: str) -> str:
@@ -39,7 +42,12 @@ def output_view(model: BaseModel, *, keep_resumable: bool) -> dict[str, Any]:
             continue
         value = getattr(model, name)
         if isinstance(value, BaseModel):
-            out[name] = output_view(value, keep_resumable=keep_resumable)
+            inner = output_view(value, keep_resumable=keep_resumable)
+            extra = type(model).model_fields[name].json_schema_extra
+            if isinstance(extra, dict) and extra.get("inline_in_key"):
+                out.update(inner)
+            else:
+                out[name] = inner
         else:
             out[name] = model.model_dump(mode="json", include={name})[name]
     return out

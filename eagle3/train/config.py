@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from eagle3.draft.config import DraftArchitecture
 from eagle3.support.settings import RESUMABLE, RUNTIME
@@ -32,7 +32,7 @@ class TrainConfig(BaseModel):
     max_grad_norm: float = Field(0.5, gt=0, description="Gradient clipping: max global L2 norm.")
     batch_size: int = Field(8, gt=0, description="Packed sequences per optimizer step, over all processes and "
                             "accumulation micro-steps (the global batch). Must be a multiple of "
-                            "nproc * grad_accum_steps.")
+                            "nodes * nproc * grad_accum_steps.")
     grad_accum_steps: int = Field(1, gt=0, description="Micro-batches per process per optimizer step.",
         json_schema_extra=RUNTIME)
     max_seq_len: int = Field(2048, gt=2, description="Packed sequence length in tokens; longer samples are "
@@ -84,8 +84,35 @@ class TrainConfig(BaseModel):
         "bf16 natively (AVX512-BF16 / AMX, eagle3.support.dtypes), else float32. Measured on the project's AVX512-BF16 "
         "EPYC: a bf16 matmul of the draft's lm_head shape 2.2x faster than float32; without native bf16 ~20x "
         "slower.")
-    nproc: int = Field(1, gt=0, description="Training processes (one per GPU on cuda; started by torch's elastic "
-                       "launcher, the engine of torchrun).",
+    nproc: int = Field(1, gt=0, description="Training processes per node (one per GPU on cuda; started by torch's "
+                       "elastic launcher, the engine of torchrun). The run has nodes x nproc processes in all.",
+        json_schema_extra=RUNTIME)
+    nodes: int = Field(1, gt=0, description="Hosts (nodes) that train this run together, each running nproc "
+                       "processes under its own torch elastic agent; they meet at rdzv_endpoint. 1 = this host "
+                       "alone. The global batch is split over all nodes x nproc processes, so the same settings give "
+                       "the same run on any number of nodes (docs/DESIGN.md, 'Multi-node training').",
+        json_schema_extra=RUNTIME)
+    rdzv_endpoint: str | None = Field(None, description="With nodes > 1: host:port of the rendezvous. With "
+                                      "rdzv_backend c10d, node 0's address and a TCP port free there that every "
+                                      "node reaches (node 0's agent serves the rendezvous store on it; e.g. "
+                                      "gpu-host-a:29400); with etcd-v2, the endpoint of an etcd server you run.",
+        json_schema_extra=RUNTIME)
+    rdzv_backend: Literal["c10d", "etcd-v2"] = Field("c10d", description="torch elastic's rendezvous backend: "
+                                                     "c10d (node 0 hosts it, nothing else to run) or etcd-v2 (an "
+                                                     "etcd server you run; needs the python-etcd package).",
+        json_schema_extra=RUNTIME)
+    rdzv_id: str | None = Field(None, description="Run id of the rendezvous: every node of one launch uses the same "
+                                "and no other launch on the same endpoint does. None = a new id per launch (the "
+                                "pipeline makes one and hands it to every node).",
+        json_schema_extra=RUNTIME)
+    join_timeout_seconds: float = Field(600.0, gt=0, description="Seconds the rendezvous waits for every node to "
+                                        "join (at the start and after a restart); a node missing then fails the "
+                                        "launch naming it. Nodes join after taking their host's GPU guard.",
+        json_schema_extra=RUNTIME)
+    max_restarts: int = Field(0, ge=0, description="Times torch elastic restarts every node's workers after a "
+                              "worker dies (kill -9, a lost peer) before the launch fails; each restart resumes "
+                              "from latest/, losing what was trained since the last resume state "
+                              "(save_state_every_minutes). Applies to launched workers (nproc > 1 or nodes > 1).",
         json_schema_extra=RUNTIME)
     parallel: Literal["ddp", "fsdp"] = Field("ddp", description="With nproc > 1: ddp replicates the draft; fsdp "
                                              "shards it (drafts too big for one GPU).",
@@ -108,11 +135,41 @@ class TrainConfig(BaseModel):
         0.10, ge=0, description="Memory required on top of the plan's peak, as a fraction of it (allocator slack, "
         "the CUDA context, the Python runtime).", json_schema_extra=RUNTIME)
 
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _endpoint(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        host, sep, port = value.strip().rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"rdzv_endpoint {value!r}: expected host:port with a port in 1-65535 (e.g. "
+                             f"gpu-host-a:29400)")
+        return value.strip()
+
+    @model_validator(mode="after")
+    def _multi_node(self) -> TrainConfig:
+        if self.nodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(f"rdzv_endpoint is required with nodes {self.nodes} > 1: host:port of node 0 where "
+                             f"the rendezvous listens (e.g. gpu-host-a:29400)")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """Training processes of the run, all nodes together."""
+        return self.nodes * self.nproc
+
+    def world_problem(self) -> str | None:
+        """Why batch_size does not split over the run's processes and micro-steps (None: it does)."""
+        if self.batch_size % (self.world_size * self.grad_accum_steps):
+            return (f"batch_size {self.batch_size} (packed sequences per optimizer step) is not a multiple of nodes "
+                    f"{self.nodes} x nproc {self.nproc} x grad_accum_steps {self.grad_accum_steps}")
+        return None
+
     def with_smaller_micro_batches(self, scale: float) -> TrainConfig:
         """The same run at ``scale`` (1/2, 1/4, ...) of the micro-batch, for an out-of-memory retry: grad_accum_steps
         doubled per halving while it stays a divisor of the per-process batch (the global batch, hence the run, is
         unchanged: grad_accum_steps is a runtime setting)."""
-        per_step = self.batch_size // self.nproc  # packed sequences per process per optimizer step
+        per_step = self.batch_size // self.world_size  # packed sequences per process per optimizer step
         accum = self.grad_accum_steps
         while accum < self.grad_accum_steps / scale and per_step % (accum * 2) == 0:
             accum *= 2

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle3.extract.store import SCALE_SUFFIX, HiddenStateStore, StoreError, dequantize_states
+from eagle3.store import SCALE_SUFFIX, HiddenStateStore, StoreError, dequantize_states
 from eagle3.train.config import TrainError
 from eagle3.train.ttt import ttt_counted
 

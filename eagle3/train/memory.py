@@ -6,7 +6,8 @@ batch settings (``TrainConfig``), itemized, logged, and compared with the device
 ``torch.cuda.mem_get_info``; CPU: psutil's available RAM, shared by all ranks of the host) with a margin; a plan that
 does not fit refuses to start (``on_insufficient_memory: fail``) or warns.
 
-What is counted, per training process (one per GPU), for a micro-batch of B = batch_size / (nproc * grad_accum)
+What is counted, per training process (one per GPU), for a micro-batch of B = batch_size / (W * grad_accum)
+(W = nodes * nproc processes in all; FSDP shards over all W; on CPU the nproc processes of one host share its RAM)
 packed rows padded to T = max_seq_len tokens (N = B * T), draft vocab D, K TTT steps, hidden H, MLP width I, heads
 nh / KV heads nkv of head_dim hd; c = compute bytes (2: bf16 autocast on CUDA, 4: float32 on CPU); a = 4 (float32)::
 
@@ -56,6 +57,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from eagle3.draft.config import DraftConfig
+from eagle3.support.dtypes import device_type
 from eagle3.train.config import TrainConfig, TrainError
 
 log = logging.getLogger("eagle3")
@@ -82,7 +84,8 @@ class MemoryPlan(BaseModel):
 
     device: Literal["cpu", "cuda"]
     parallel: str = Field(description="'single', 'ddp' or 'fsdp'")
-    processes: int = Field(description="training processes (nproc); on CPU they share the host's RAM")
+    processes: int = Field(description="training processes of the run, all nodes together (nodes x nproc)")
+    processes_per_host: int = Field(description="training processes on one host (nproc); on CPU they share its RAM")
     micro_batch_rows: int = Field(description="packed rows per micro-batch per process")
     tokens_per_micro_batch: int = Field(description="micro_batch_rows x max_seq_len (rows padded to max_seq_len)")
     ttt_steps: int
@@ -97,8 +100,10 @@ class MemoryPlan(BaseModel):
     peak_bytes: int = Field(description="static + max(activations + batch, optimizer step temporary)")
 
     def summary(self) -> str:
+        hosts = -(-self.processes // self.processes_per_host)
+        where = f" on {hosts} hosts of {self.processes_per_host}" if hosts > 1 else ""
         lines = [(f"Training memory plan per {'GPU' if self.device == 'cuda' else 'process'} ({self.parallel}, "
-                 f"{self.processes} process(es), {self.device}): micro-batch {self.micro_batch_rows} rows x "
+                 f"{self.processes} process(es){where}, {self.device}): micro-batch {self.micro_batch_rows} rows x "
                  f"{self.tokens_per_micro_batch // max(1, self.micro_batch_rows):,} tokens, {self.ttt_steps} TTT "
                  f"steps; {self.trainable_parameters / 1e6:,.1f}M trainable + {self.frozen_parameters / 1e6:,.1f}M "
                  f"frozen parameters")]
@@ -195,15 +200,15 @@ def cache_kept_by_attention(d: DraftConfig, micro_rows: int, seq_len: int, devic
 def plan_training_memory(draft: DraftConfig, cfg: TrainConfig, world: int | None = None,
                          device: Literal["cpu", "cuda"] | None = None, batch_dtype_bytes: int | None = None,
                          micro_rows: int | None = None, autocast: bool | None = None) -> MemoryPlan:
-    """The plan for ``draft`` trained with ``cfg`` by ``world`` processes (default cfg.nproc) on ``device``
+    """The plan for ``draft`` trained with ``cfg`` by ``world`` processes (default nodes x nproc) on ``device``
     (default: cfg.device, auto = cuda when available). ``batch_dtype_bytes``: bytes per stored state value in the
     batches (default: 2 on CUDA, 4 on CPU; a float8 store's states arrive dequantized to the compute dtype);
     ``micro_rows``: rows per micro-batch (default batch_size / (world * grad_accum_steps)); ``autocast``: bf16
     autocast (default: on CUDA only; a CPU's bf16 autocast, train.cpu_dtype, is planned as float32 activations, an
     upper bound, plus autocast's bf16 weight copies)."""
-    world = world or cfg.nproc
+    world = world or cfg.world_size
     if device is None:
-        device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+        device = device_type(cfg.device)
     cuda = device == "cuda"
     c = 2 if cuda else F32  # bf16 autocast on CUDA, float32 on CPU (eagle3.train.trainer)
     sb = batch_dtype_bytes or c
@@ -272,7 +277,8 @@ def plan_training_memory(draft: DraftConfig, cfg: TrainConfig, world: int | None
     step_tmp = grads  # AdamW's foreach sqrt(exp_avg_sq) temporary
     items.append(("AdamW step temporary", step_tmp, "during optimizer.step(), after the activations are freed"))
     peak = static + max(activations + batch, step_tmp)
-    return MemoryPlan(device=device, parallel=parallel, processes=world, micro_batch_rows=b,
+    return MemoryPlan(device=device, parallel=parallel, processes=world, processes_per_host=min(world, cfg.nproc),
+                      micro_batch_rows=b,
                       tokens_per_micro_batch=n, ttt_steps=kk, trainable_parameters=trainable,
                       frozen_parameters=frozen, items=[MemoryItem(name=a, bytes=v, detail=dd) for a, v, dd in items],
                       static_bytes=static, activation_bytes=activations, activations=act, batch_bytes=batch,
@@ -293,12 +299,14 @@ def free_device_memory(device: torch.device) -> tuple[int, str]:
 def check_memory(plan: MemoryPlan, free_bytes: int, measured: str, margin_fraction: float,
                  on_insufficient: Literal["fail", "warn"]) -> str | None:
     """None when the plan fits ``free_bytes`` with the margin; else raises ``TrainMemoryError`` (``fail``) or returns
-    the warning (``warn``). On CPU the host's RAM holds every process: the need is the plan x processes."""
+    the warning (``warn``). On CPU the host's RAM holds every process of that host: the need is the plan x its
+    processes (nproc; the other nodes' processes live on their own hosts)."""
     need_one = math.ceil(plan.peak_bytes * (1 + margin_fraction))
-    need = need_one * (plan.processes if plan.device == "cpu" else 1)
+    need = need_one * (plan.processes_per_host if plan.device == "cpu" else 1)
     if need <= free_bytes:
         return None
-    who = f" x {plan.processes} processes" if plan.device == "cpu" and plan.processes > 1 else ""
+    who = (f" x {plan.processes_per_host} processes" if plan.device == "cpu" and plan.processes_per_host > 1
+           else "")
     message = (f"training would not fit: the memory plan needs {_gb(plan.peak_bytes)} per process{who} "
                f"({_gb(need)} with the {margin_fraction:.0%} margin, memory_margin_fraction), but {measured} is "
                f"{_gb(free_bytes)}; lower batch_size (or raise grad_accum_steps), max_seq_len or ttt_steps, or set "

@@ -1,5 +1,5 @@
 """The learning-rate schedule: linear warmup, then cosine decay to a floor (or constant). The one schedule of the
-project (the draft trainer and scripts/tiny_verifier.py both use it)."""
+project (the draft trainer and tools/tiny_verifier.py both use it)."""
 
 from __future__ import annotations
 

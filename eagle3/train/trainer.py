@@ -14,12 +14,10 @@ import contextlib
 import json
 import logging
 import math
-import os
 import random
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +27,10 @@ from torch import nn
 from eagle3.draft import checkpoint as ckpt
 from eagle3.draft.config import DraftConfig
 from eagle3.draft.model import Eagle3Draft
-from eagle3.extract.store import STORE_JSON, HiddenStateStore, StoreError
-from eagle3.support.dtypes import resolve_compute_dtype
+from eagle3.store import STORE_JSON, HiddenStateStore, StoreError
+from eagle3.support.dtypes import resolve_compute_dtype, resolve_device
 from eagle3.support.io import atomic_write_text, sha256_file
-from eagle3.support.progress import Progress
+from eagle3.support.progress import Progress, fmt_duration
 from eagle3.support.settings import output_view
 from eagle3.support.verifier import VerifierSpec, load_verifier_head, verifier_fingerprint
 from eagle3.train.config import TrainConfig, TrainError
@@ -47,46 +45,16 @@ from eagle3.train.data import (
     split_indices,
     verify_bins,
 )
+from eagle3.train.dist import Dist
 from eagle3.train.memory import check_memory, free_device_memory, plan_training_memory
+from eagle3.train.metrics import METRICS, append_metrics, read_metrics, write_plots
 from eagle3.train.schedule import lr_at
 from eagle3.train.ttt import N_STATS, TrainingTimeTest, summarize
 from eagle3.vocab import load_mapping
 
 log = logging.getLogger("eagle3")
 
-METRICS = "metrics.jsonl"
-
-# ----------------------------------------------------------------------------- distributed plumbing
-
-
-@dataclass
-class Dist:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-
-    @classmethod
-    def from_env(cls) -> Dist:
-        return cls(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
-                   int(os.environ.get("LOCAL_RANK", "0")))
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(t)
-        return t
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
-
+LATEST = "latest"  # the resume state's folder
 
 # ----------------------------------------------------------------------------- the trainer
 
@@ -101,7 +69,7 @@ class Trainer:
         self.store_dir, self.vocab_path = Path(store_dir), Path(vocab_path)
         self.verifier_path, self.out_dir = Path(verifier_path), Path(out_dir)
         self.dist = dist or Dist()
-        self.ckpt_dir, self.latest_dir = self.out_dir / "checkpoints", self.out_dir / "latest"
+        self.ckpt_dir, self.latest_dir = self.out_dir / "checkpoints", self.out_dir / LATEST
         self.metrics_path = self.out_dir / METRICS
         self._loader: StepLoader | None = None
         self._last_save = time.monotonic()  # when the resume state was last written (save_state_every_minutes)
@@ -211,15 +179,10 @@ class Trainer:
             log.warning("[train] %s (on_insufficient_memory: warn)", warning.splitlines()[0])
 
     def _device(self) -> torch.device:
-        want = self.cfg.device
-        if want == "auto":
-            want = "cuda" if torch.cuda.is_available() else "cpu"
-        if want == "cuda":
-            if not torch.cuda.is_available():
-                raise TrainError("device 'cuda' requested but CUDA is not available")
-            torch.cuda.set_device(self.dist.local_rank)
-            return torch.device("cuda", self.dist.local_rank)
-        return torch.device("cpu")
+        device = resolve_device(self.cfg.device, self.dist.local_rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return device
 
     def _check_inputs(self, spec: VerifierSpec) -> None:
         meta_file = self.store_dir / STORE_JSON
@@ -280,7 +243,7 @@ class Trainer:
                 and not any(h.get("event") == "val" for h in self.history):
             self._validate(epoch=0)
         remaining = self.total_steps - self.global_step
-        progress = Progress("train", remaining, unit="steps", every_n=cfg.log_every_steps, every_s=0,
+        progress = Progress("train", remaining, unit="steps", every_n=0, every_s=0,  # a line at each log step
                             logger=log if self.dist.main else logging.getLogger("eagle3.rank"),
                             on_update=self.on_progress if self.dist.main else None)
         stopped = False
@@ -308,7 +271,7 @@ class Trainer:
                 extra = self._log_train(self.window, progress, tokens) if due else ""
                 if due:
                     self.window.zero_()
-                progress.update(1, tokens=tokens, extra=extra)
+                progress.update(1, tokens=tokens, extra=extra, force=due)
                 if cfg.stop_after_steps and self.global_step >= cfg.stop_after_steps:
                     stopped = True
                     break
@@ -508,7 +471,7 @@ class Trainer:
             self.window = state["metrics_window"].to(torch.float64).clone()
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
-        self.history = _read_metrics(self.metrics_path)
+        self.history = read_metrics(self.metrics_path)
         # drop metrics logged after the saved state (a crash between the two): the resumed run logs them again
         keep = [r for r in self.history if r.get("global_step", 0) < self.global_step
                 or (r.get("global_step") == self.global_step and (r["event"] != "val" or r["epoch"] <= self.epoch))]
@@ -520,41 +483,21 @@ class Trainer:
 
     def _append_metrics(self, rec: dict[str, Any]) -> None:
         self.history.append(rec)
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        append_metrics(self.metrics_path, rec)
 
     def _plots(self) -> None:
-        from eagle3.support.plot import line_chart
-
-        train = [r for r in self.history if r["event"] == "train"]
-        val = [r for r in self.history if r["event"] == "val" and r["counted_per_step"][0] > 0]
-        k = range(self.cfg.ttt_steps)
-        loss = {f"step {j}": [(r["global_step"], r["loss_per_step"][j]) for r in train] for j in k}
-        loss["val (weighted)"] = [(r["global_step"], r["loss"]) for r in val]
-        loss["train (weighted)"] = [(r["global_step"], r["loss"]) for r in train]
-        acc = {f"step {j}": [(r["global_step"], r["acc_per_step"][j]) for r in train] for j in k}
-        for j in k:
-            acc[f"val step {j}"] = [(r["global_step"], r["acc_per_step"][j]) for r in val]
-        line_chart(self.out_dir / "loss.png", {n: s for n, s in loss.items() if s}, "Draft training loss (KL)",
-                   "optimizer step", "KL (nats)")
-        line_chart(self.out_dir / "accuracy.png", {n: s for n, s in acc.items() if s},
-                   "Draft top-1 accuracy per TTT step", "optimizer step", "accuracy")
-        if val:
-            line_chart(self.out_dir / "acceptance.png",
-                       {"sim accept": [(r["global_step"], r["sim_accept_len"]) for r in val],
-                        "chain accept": [(r["global_step"], r["chain_accept_len"]) for r in val]},
-                       "Validation simulated acceptance length", "optimizer step", "tokens per verifier step")
+        write_plots(self.out_dir, self.history, self.cfg.ttt_steps)
 
     def _result(self, stopped_early: bool) -> dict[str, Any]:
         """The run's outcome, keyed exactly as eagle3.train.stage.DraftCheckpoint's fields (no renaming)."""
         best = ckpt.best_dir(self.ckpt_dir)
         vals = [r for r in self.history if r["event"] == "val"]
-        weights_sha = sha256_file(best / ckpt.WEIGHTS) if best and (best / ckpt.WEIGHTS).is_file() else None
-        recorded = self.best.get("weights_sha256")
-        if best and recorded and weights_sha != recorded:
-            raise TrainError(f"the draft checkpoint {best / ckpt.WEIGHTS} does not match the sha256 recorded when "
-                             f"training wrote it ({recorded[:12]}...): it was changed or damaged since. Restore it, "
-                             f"or train again from scratch (delete {self.out_dir}, or resume=False)")
+        # rank 0 wrote the checkpoint and holds its recorded hash (the other ranks' `best` is the resume state's)
+        weights_sha = None
+        if self.dist.main and best:
+            weights_sha, problem = ckpt.check_weights(best, self.best.get("weights_sha256"))
+            if problem:
+                raise TrainError(f"{problem}; or train again from scratch (delete {self.out_dir}, or resume=False)")
         return {
             "out_dir": str(self.out_dir), "checkpoint_dir": str(best) if best else None,
             "weights_sha256": weights_sha,
@@ -579,13 +522,22 @@ class Trainer:
             self._loader = None
 
 
-def _read_metrics(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a torn last line from a crash
-    return out
+def run_local(cfg: TrainConfig, store_dir: str | Path, vocab_path: str | Path, verifier_path: str | Path,
+              out_dir: str | Path, resume: bool = True, dist: Dist | None = None,
+              on_progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
+    """Run the trainer in this process (one rank of a multi-process job when ``dist`` says so); returns the
+    trainer's outcome (``Trainer._result``) with ``wall_s``."""
+    torch.manual_seed(cfg.seed)
+    trainer = Trainer(cfg, store_dir, vocab_path, verifier_path, out_dir, resume=resume, dist=dist,
+                      on_progress=on_progress)
+    try:
+        trainer.setup()
+        start = time.monotonic()
+        result = trainer.train()
+        result["wall_s"] = round(time.monotonic() - start, 3)
+        if trainer.dist.main:
+            log.info("[train] done in %s: best %s (sim accept %s)", fmt_duration(result["wall_s"]),
+                     result["checkpoint_dir"], result["best_sim_accept_len"])
+        return result
+    finally:
+        trainer.cleanup()

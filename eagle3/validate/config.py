@@ -6,7 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from eagle3.support.settings import RUNTIME
+from eagle3.engine.settings import VALIDATE_TIMEOUT_S, EngineSettings
+from eagle3.support.settings import INLINE, RUNTIME
 
 
 class ValidateConfig(BaseModel):
@@ -22,29 +23,19 @@ class ValidateConfig(BaseModel):
     max_new_tokens: int = Field(64, gt=0, description="Generation budget per prompt, in tokens.")
     num_speculative_tokens: int = Field(
         3, gt=0, description="Draft tokens proposed per verifier step (vLLM num_speculative_tokens), in tokens.")
-    tensor_parallel_size: int = Field(1, gt=0, description="vLLM tensor parallel size, in devices (Kimi-K2.5: 8).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype vLLM runs the verifier and draft in: float32 (the default: exact parity with the "
         "offline reference on CPU), bfloat16 on GPUs (the kimi-k2.5 preset), or auto (vLLM's choice).")
     max_model_len: int | None = Field(
         None, gt=0, description="vLLM max_model_len in tokens (None: the verifier's max_position_embeddings).")
-    gpu_memory_utilization: float | None = Field(
-        None, gt=0, le=1, description="vLLM gpu_memory_utilization as a fraction of device memory (None: vLLM's "
-        "default, 0.9). Ignored on CPU (VLLM_CPU_KVCACHE_SPACE, GiB, sets the KV cache there).",
-        json_schema_extra=RUNTIME)
-    enforce_eager: bool = Field(True, description="vLLM enforce_eager: no CUDA graphs / torch.compile (faster start).",
-        json_schema_extra=RUNTIME)
     engine_in_process: bool = Field(
         True, description="Run vLLM's engine core in the check's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0): "
         "one interpreter start less, ~10 s on CPU. Never for a nested multimodal verifier (Kimi-K2.5): vLLM 0.32's "
         "CPU worker then fails at start.", json_schema_extra=RUNTIME)
-    trust_remote_code: bool = Field(False, description="Let transformers/vLLM run the verifier's own Python code "
-                                    "(Kimi-K2.5's tokenizer needs it).")
-    timeout_s: float = Field(1800.0, gt=0, description="Wall-clock limit of the vLLM subprocess, in seconds; its "
-                             "whole process group is killed past it.", json_schema_extra=RUNTIME)
-    vllm_python: str | None = Field(
-        None, description="Interpreter of the vLLM environment (None: $EAGLE3_VLLM_PYTHON, else .venv-vllm).",
-        json_schema_extra=RUNTIME)
+    engine: EngineSettings = Field(
+        default_factory=lambda: EngineSettings(timeout_s=VALIDATE_TIMEOUT_S), description="The vLLM engine (the "
+        f"pipeline's engine settings; its engine jobs time out after {VALIDATE_TIMEOUT_S:.0f} s unless set).",
+        json_schema_extra=INLINE)
     run_vllm: bool = Field(True, description="Run the vLLM check (false: structural check only; verdict then says so).")
     require_lossless: bool = Field(True, description="Fail when speculative and plain greedy outputs differ.")
     min_mean_acceptance_length: float | None = Field(
@@ -92,3 +83,14 @@ class ValidateConfig(BaseModel):
     parity_tolerance: float = Field(
         0.10, gt=0, description="Largest relative difference between offline and vLLM mean acceptance length "
         "(fraction, 0.10 = 10%).")
+
+    def engine_sessions(self, baseline_shared: bool = False) -> str:
+        """The vLLM engine sessions of the check, one letter per engine start (= verifier load), in order: A =
+        verifier + trained draft, B = verifier alone, U = verifier + untrained draft (compare_untrained). The
+        schedule (``speed_schedule`` when speed is measured, else A then B), with no B when the verifier-alone
+        baseline came from regeneration's engine session (``baseline_shared``: then one A). '' when vLLM is not
+        run. The one rule the check runs and the capacity plan counts."""
+        if not self.run_vllm:
+            return ""
+        schedule = "A" if baseline_shared else self.speed_schedule if self.speed_repeats > 0 else "AB"
+        return schedule + ("U" if self.compare_untrained else "")

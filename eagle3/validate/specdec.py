@@ -38,13 +38,7 @@ import torch
 from eagle3.draft.checkpoint import load_draft
 from eagle3.draft.model import Eagle3Draft
 from eagle3.support.verifier import VerifierSpec
-from eagle3.validate.vllm_check import (
-    AcceptanceStats,
-    load_tokenizer,
-    prompt_token_ids,
-    read_prompt_messages,
-    stop_token_ids,
-)
+from eagle3.validate.vllm_check import AcceptanceStats, load_tokenizer, stop_token_ids
 
 log = logging.getLogger("eagle3")
 
@@ -135,10 +129,11 @@ class OfflineResult:
     seconds: float
 
 
-def offline_acceptance(verifier_path: str | os.PathLike, draft_dir: str | os.PathLike,
-                       prompts_path: str | os.PathLike, num_prompts: int, num_speculative_tokens: int,
-                       max_new_tokens: int, trust_remote_code: bool = False, threads: int | None = 1) -> OfflineResult:
-    """The vLLM check's figures computed offline, on the same prompts (chat template applied, same token ids).
+def offline_acceptance(verifier_path: str | os.PathLike, draft_dir: str | os.PathLike, prompts: list[list[int]],
+                       num_speculative_tokens: int, max_new_tokens: int, trust_remote_code: bool = False,
+                       threads: int | None = 1) -> OfflineResult:
+    """The vLLM check's figures computed offline, on the same prompts (the token ids vLLM reads: rendered once by
+    the validation stage's chat encoder, eagle3.validate.stage.prompt_ids).
 
     ``threads``: torch CPU threads while it runs (restored after). One thread is the fastest for the tiny models
     this runs on (measured 4 ms vs 34 ms per verifier pass with 2 threads on 2 busy cores); None = leave as is.
@@ -147,17 +142,16 @@ def offline_acceptance(verifier_path: str | os.PathLike, draft_dir: str | os.Pat
     if threads:
         torch.set_num_threads(threads)
     try:
-        return _offline_acceptance(verifier_path, draft_dir, prompts_path, num_prompts, num_speculative_tokens,
-                                   max_new_tokens, trust_remote_code)
+        return _offline_acceptance(verifier_path, draft_dir, prompts, num_speculative_tokens, max_new_tokens,
+                                   trust_remote_code)
     finally:
         torch.set_num_threads(previous)
 
 
-def _offline_acceptance(verifier_path, draft_dir, prompts_path, num_prompts: int, num_speculative_tokens: int,
+def _offline_acceptance(verifier_path, draft_dir, prompts: list[list[int]], num_speculative_tokens: int,
                         max_new_tokens: int, trust_remote_code: bool) -> OfflineResult:
     t0 = time.monotonic()
-    tokenizer = load_tokenizer(verifier_path, trust_remote_code)
-    prompts = prompt_token_ids(tokenizer, read_prompt_messages(prompts_path, num_prompts))
+    tokenizer = load_tokenizer(verifier_path, trust_remote_code)  # the stop ids
     stops = set(stop_token_ids(verifier_path, tokenizer))
     verifier = load_verifier(verifier_path, trust_remote_code=trust_remote_code)
     draft = load_draft(Path(draft_dir), verifier_path=verifier_path).eval()

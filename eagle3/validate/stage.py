@@ -28,19 +28,21 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from eagle3.draft.checkpoint import WEIGHTS
+from eagle3.chat.encoder import ChatSettings
+from eagle3.draft.checkpoint import WEIGHTS, check_weights
+from eagle3.engine.job import run_engine_job
 from eagle3.support.artifacts import Artifact, file_problem
 from eagle3.support.gpu import DeviceGuard, cuda_device_ids, file_lock_guard
-from eagle3.support.io import atomic_write_json, sha256_file
-from eagle3.support.paths import REPO_ROOT, resolve_path, vllm_python, vllm_subprocess_env
-from eagle3.support.subproc import SubprocessFailed, run_subprocess
+from eagle3.support.io import sha256_file
+from eagle3.support.paths import resolve_path, vllm_python
+from eagle3.support.subproc import SubprocessFailed
 from eagle3.support.verifier import VerifierSpec
 from eagle3.train.stage import DraftCheckpoint
+from eagle3.validate.baseline import find_baseline, request_for_validation
 from eagle3.validate.config import ValidateConfig
 from eagle3.validate.contract import validate_checkpoint
 from eagle3.validate.report import verdict_line, write_report
 from eagle3.validate.verdict import Criterion, judge
-from eagle3.validate.vllm_check import read_prompt_messages
 
 log = logging.getLogger("eagle3")
 
@@ -50,9 +52,10 @@ VLLM_LOG = "vllm.log"  # everything vLLM printed, in <out_dir>/vllm/ (the logs c
 
 
 def run_vllm_check(cfg: ValidateConfig, verifier_path: str | os.PathLike, draft_dirs: list[str | os.PathLike],
-                   prompts_path: str | os.PathLike, work_dir: str | os.PathLike,
-                   lock_fds: tuple[int, ...] | list[int] = ()) -> dict[str, Any]:
-    """Run eagle3.validate.vllm_check in the vLLM interpreter for each draft (one subprocess, one baseline run).
+                   prompts: list[list[int]], work_dir: str | os.PathLike,
+                   lock_fds: tuple[int, ...] | list[int] = (), baseline: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run eagle3.validate.vllm_check in the vLLM interpreter for each draft (one subprocess, one baseline run) on
+    the prompts' token ids (``prompts``: rendered by the pipeline's chat encoder, ``ChatSettings.held_out_prompt_ids``).
 
     Returns its result (see eagle3.validate.vllm_check.run_check). Raises ``eagle3.support.subproc.SubprocessFailed`` when the
     subprocess fails or times out (its process group is killed), FileNotFoundError when there is no vLLM interpreter.
@@ -63,23 +66,22 @@ def run_vllm_check(cfg: ValidateConfig, verifier_path: str | os.PathLike, draft_
     out.unlink(missing_ok=True)
     args = {
         "verifier": str(Path(verifier_path).resolve()), "drafts": [str(Path(d).resolve()) for d in draft_dirs],
-        "prompts_path": str(Path(resolve_path(prompts_path)).resolve()), "num_prompts": cfg.num_prompts,
+        "prompt_token_ids": prompts, "num_prompts": len(prompts),
         "max_new_tokens": cfg.max_new_tokens, "num_speculative_tokens": cfg.num_speculative_tokens,
-        "tensor_parallel_size": cfg.tensor_parallel_size, "dtype": cfg.dtype, "max_model_len": cfg.max_model_len,
-        "gpu_memory_utilization": cfg.gpu_memory_utilization, "enforce_eager": cfg.enforce_eager,
-        "trust_remote_code": cfg.trust_remote_code, "seed": 0, "speed_repeats": cfg.speed_repeats,
-        "speed_concurrency": cfg.speed_concurrency, "speed_schedule": cfg.speed_schedule, "out": str(out),
+        "dtype": cfg.dtype, "max_model_len": cfg.max_model_len, "seed": 0, "speed_repeats": cfg.speed_repeats,
+        "speed_concurrency": cfg.speed_concurrency, "out": str(out),
+        # engine starts: the trained draft's and the verifier-alone sessions in order (eagle3.validate.config), then
+        # one per other draft
+        "schedule": cfg.engine_sessions(baseline_shared=baseline is not None).rstrip("U"),
+        "baseline": baseline,  # the verifier alone, from regeneration's engine session (no engine start for it here)
     }
-    args_file = atomic_write_json(work_dir / "vllm_args.json", args)
     # a nested multimodal verifier (Kimi-K2.5) never runs in-process: its processor imports numba, and vLLM 0.32's
     # CPU worker then fails at start while rebinding its kernels (AttributeError: '_lib_fn_wrapper' object has no
     # attribute 'get', from llvmlite's library proxy); in its own engine process the worker starts before numba
     in_process = cfg.engine_in_process and not VerifierSpec.from_path(verifier_path).nested
-    env = vllm_subprocess_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process else None)
-    cmd = [vllm_python(cfg.vllm_python), "-m", "eagle3.validate.vllm_check", "--args-json", str(args_file)]
-    log.info("[validate] vLLM check: %s", " ".join(cmd))
-    run_subprocess(cmd, env=env, timeout_s=cfg.timeout_s, log_prefix="[vllm] ", cwd=REPO_ROOT,
-                   log_file=work_dir / VLLM_LOG, pass_fds=lock_fds).check()
+    run_engine_job(cfg.engine, "eagle3.validate.vllm_check", args, work_dir / "vllm_args.json",
+                   log_file=work_dir / VLLM_LOG, lock_fds=lock_fds,
+                   env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process else None).check()
     if not out.is_file():
         raise SubprocessFailed(f"the vLLM check exited cleanly but wrote no result ({out}); its whole output is in "
                                f"{work_dir / VLLM_LOG}")
@@ -157,13 +159,17 @@ class ValidationReport(Artifact):
 
 def validate_draft(cfg: ValidateConfig, checkpoint: DraftCheckpoint | str | os.PathLike, out_dir: str | os.PathLike,
                    *, verifier: str | os.PathLike | None = None, prompts_path: str | os.PathLike | None = None,
-                   guard: DeviceGuard | None = None) -> ValidationReport:
+                   chat: ChatSettings | None = None, guard: DeviceGuard | None = None,
+                   baselines_dir: str | os.PathLike | None = None) -> ValidationReport:
     """The validate stage: integrity -> structural check -> vLLM check -> offline parity (if enabled) -> verdict ->
     report files in ``out_dir``.
 
     ``checkpoint``: the train stage's artifact (its recorded weights hash is compared first) or a checkpoint
-    folder (then ``verifier`` is required); ``prompts_path`` defaults to ``cfg.prompts_path``; ``guard`` holds the
-    devices while vLLM runs (default: the host file lock alone).
+    folder (then ``verifier`` is required); ``prompts_path`` defaults to ``cfg.prompts_path``; ``chat`` renders them
+    (the pipeline's chat settings; default: the verifier's own tokenizer and template); ``guard`` holds the devices
+    while vLLM runs (default: the host file lock alone); ``baselines_dir``: where the regeneration's engine session
+    left verifier-alone baselines (eagle3.validate.baseline): the one for these prompts and settings, when there,
+    replaces the baseline engine start.
     """
     out_dir = Path(out_dir)
     if isinstance(checkpoint, DraftCheckpoint):
@@ -177,13 +183,16 @@ def validate_draft(cfg: ValidateConfig, checkpoint: DraftCheckpoint | str | os.P
             raise ValueError("validate_draft: pass the verifier path with a plain checkpoint folder")
         draft_dir, recorded_sha, verifier_path = Path(checkpoint), None, verifier
     prompts_path = Path(resolve_path(prompts_path or cfg.prompts_path))
+    chat = chat or ChatSettings(tokenizer_path=str(verifier_path), trust_remote_code=cfg.engine.trust_remote_code)
     report: dict[str, Any] = {"format": "eagle3-validation/1", "draft_dir": str(draft_dir),
                               "verifier_path": str(verifier_path), "prompts_path": str(prompts_path),
                               "settings": cfg.model_dump(mode="json")}
-    weights = draft_dir / WEIGHTS
-    if weights.is_file():
-        report["weights_sha256"] = sha256_file(weights)
-    trusted = recorded_sha is None or report.get("weights_sha256") == recorded_sha
+    weights = check_weights(draft_dir, recorded_sha)
+    if weights.sha256 is not None:
+        report["weights_sha256"] = weights.sha256
+    trusted = weights.problem is None
+    if not trusted:
+        log.error("[validate] %s", weights.problem)
     structural = validate_checkpoint(draft_dir, verifier_path)
     report["structural"] = structural.to_dict()
     for f in structural.warnings:
@@ -198,14 +207,15 @@ def validate_draft(cfg: ValidateConfig, checkpoint: DraftCheckpoint | str | os.P
         report["vllm"] = {"skipped": "the checkpoint failed the structural check"}
     else:
         # bad settings are errors, not verdicts: no vLLM interpreter, an unusable prompts file
-        vllm_python(cfg.vllm_python)
-        read_prompt_messages(prompts_path, cfg.num_prompts)
+        vllm_python(cfg.engine.vllm_python)
+        prompts = chat.held_out_prompt_ids(prompts_path, cfg.num_prompts)
         drafts = [draft_dir]
         if cfg.compare_untrained:
             drafts.append(make_untrained_draft(draft_dir, verifier_path, out_dir / "untrained-draft"))
         try:
-            with (guard or file_lock_guard(logger=log))(cuda_device_ids(count=cfg.tensor_parallel_size)) as fds:
-                result = run_vllm_check(cfg, verifier_path, drafts, prompts_path, out_dir / "vllm", lock_fds=fds)
+            with (guard or file_lock_guard(logger=log))(cuda_device_ids(count=cfg.engine.tensor_parallel_size)) as fds:
+                result = run_vllm_check(cfg, verifier_path, drafts, prompts, out_dir / "vllm", lock_fds=fds,
+                                        baseline=find_baseline(baselines_dir, request_for_validation(cfg, prompts)))
         except SubprocessFailed as e:  # a draft vLLM cannot load (or run in time) is a verdict, not a crash
             report["vllm"] = {"error": str(e)}
         else:
@@ -218,7 +228,7 @@ def validate_draft(cfg: ValidateConfig, checkpoint: DraftCheckpoint | str | os.P
                 "baseline_generate_seconds": result["baseline"]["generate_seconds"],
                 "num_prompts": len(result["prompt_token_ids"]), "samples": [
                     {"prompt": i, "text": t[:300]} for i, t in enumerate(d["texts"][:3])],
-                "engine_starts": result["engine_starts"],
+                "engine_starts": result["engine_starts"], "baseline_source": result.get("baseline_source"),
                 "speed": {"repeats": cfg.speed_repeats, **result["speed"]} if result.get("speed") else None,
             }
             if cfg.compare_untrained:
@@ -232,8 +242,8 @@ def validate_draft(cfg: ValidateConfig, checkpoint: DraftCheckpoint | str | os.P
         from eagle3.validate.specdec import offline_acceptance
 
         log.info("[validate] offline reference: transformers verifier + this draft on %d prompts", cfg.num_prompts)
-        off = offline_acceptance(verifier_path, draft_dir, prompts_path, cfg.num_prompts, cfg.num_speculative_tokens,
-                                 cfg.max_new_tokens, cfg.trust_remote_code)
+        off = offline_acceptance(verifier_path, draft_dir, chat.held_out_prompt_ids(prompts_path, cfg.num_prompts),
+                                 cfg.num_speculative_tokens, cfg.max_new_tokens, cfg.engine.trust_remote_code)
         report["offline"] = {"acceptance": off.acceptance.to_dict(), "seconds": off.seconds}
         if vllm_acc is not None:
             rel = _relative_difference(off.acceptance.mean_acceptance_length, vllm_acc["mean_acceptance_length"])

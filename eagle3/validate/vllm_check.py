@@ -2,12 +2,13 @@
 
 Pipeline position: train -> checkpoint -> validate (eagle3.validate.stage) -> **this module, in the vLLM environment**.
 
-Runs as a subprocess of the vLLM interpreter (``eagle3.support.paths.vllm_python()``; eagle3.validate.stage starts it through
-eagle3.support.subproc so its whole process group dies on timeout or cancellation):
+Runs as an engine job in the vLLM interpreter (eagle3.validate.stage starts it through
+``eagle3.engine.job.run_engine_job``, so its whole process group dies on timeout or cancellation):
 
-    python -m eagle3.validate.vllm_check --args-json <work>/vllm_args.json
+    python -m eagle3.validate.vllm_check <work>/vllm_args.json
 
-The args file names the verifier, the draft folders, the prompts and the settings; the result goes to
+The job file names the verifier, the draft folders, the prompts' token ids, the settings and ``engine`` (the
+pipeline's engine settings as ``vllm.LLM`` arguments); the result goes to
 ``args["out"]`` (JSON, written to a temp name and renamed). For every draft, the verifier is loaded with
 ``speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": K}`` and greedy-generates on the
 held-out prompts; ``llm.get_metrics()`` gives
@@ -24,7 +25,7 @@ Then the same verifier WITHOUT speculation generates on the same prompts: at tem
 lossless, so the token ids must be identical.
 
 Decoding speed (``speed_repeats`` > 0): the engine with the trained draft (A) and the verifier alone (B) run in the
-sessions of ``speed_schedule`` ("AB", "ABA", "ABBA": one engine start per letter, one engine alive at a time, since
+sessions of ``schedule`` ("AB", "ABA", "ABBA": one engine start per letter, one engine alive at a time, since
 two live CPU engines slow each other), and each session times ``speed_repeats`` greedy decodes of the prompts at
 every level of ``speed_concurrency`` (requests in flight, ``decode_at_concurrency``). Per level: speedup = median
 output tok/s with the draft / median without; the first level (1: one request at a time) is the headline.
@@ -45,8 +46,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-
-from eagle3.support.chat import FORMATS, canonical_role, detect_format
 
 # ----------------------------------------------------------------------------- shared with the offline reference
 
@@ -100,67 +99,10 @@ class AcceptanceStats:
                    accepted_per_pos=[int(a) for a in d["accepted_per_pos"]])
 
 
-class PromptError(ValueError):
-    """The prompts file is missing, malformed or holds too few usable conversations; the message names the line."""
-
-
-def read_prompt_messages(path: str | os.PathLike, num_prompts: int) -> list[list[dict[str, str]]]:
-    """The first user turn (with the system message before it, if any) of the first ``num_prompts`` conversations.
-
-    Accepts OpenAI (``{"messages": [{"role", "content"}]}``) and ShareGPT (``{"conversations": [{"from", "value"}]}``)
-    jsonl lines.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise PromptError(f"prompts file not found: {path}")
-    prompts: list[list[dict[str, str]]] = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if len(prompts) >= num_prompts:
-                break
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PromptError(f"{path}:{line_no}: not valid JSON ({e})") from None
-            if not isinstance(record, dict):
-                raise PromptError(f"{path}:{line_no}: a JSON {type(record).__name__}, not an object")
-            fmt = detect_format(record)
-            if fmt is None:
-                raise PromptError(f"{path}:{line_no}: neither 'messages' (OpenAI) nor 'conversations' (ShareGPT)")
-            key, role_key, text_key = FORMATS[fmt]
-            if not (isinstance(record[key], list) and all(isinstance(t, dict) for t in record[key])):
-                raise PromptError(f"{path}:{line_no}: '{key}' must be a list of objects")
-            turns = [(canonical_role(t.get(role_key)), t.get(text_key)) for t in record[key]]
-            prompt = []
-            for role, content in turns:
-                if role not in ("system", "user") or not isinstance(content, str):
-                    break
-                prompt.append({"role": role, "content": content})
-                if role == "user":
-                    break
-            if not prompt or prompt[-1]["role"] != "user":
-                raise PromptError(f"{path}:{line_no}: no user turn before the first assistant turn")
-            prompts.append(prompt)
-    if len(prompts) < num_prompts:
-        raise PromptError(f"{path} holds {len(prompts)} conversations, {num_prompts} prompts were asked for")
-    return prompts
-
-
 def load_tokenizer(verifier_path: str | os.PathLike, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(verifier_path), trust_remote_code=trust_remote_code)
-
-
-def prompt_token_ids(tokenizer, prompts: list[list[dict[str, str]]]) -> list[list[int]]:
-    """Chat template with the generation prompt, tokenized: the exact ids both vLLM and the offline loop read."""
-    out = []
-    for messages in prompts:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
-        out.append([int(i) for i in ids["input_ids"]])
-    return out
 
 
 def stop_token_ids(verifier_path: str | os.PathLike, tokenizer) -> list[int]:
@@ -218,18 +160,12 @@ def _engine(args: dict[str, Any], draft: str | None):
     from vllm import LLM
 
     k = int(args["num_speculative_tokens"])
-    tp = int(args["tensor_parallel_size"])
     engine_args: dict[str, Any] = {
-        "model": args["verifier"], "dtype": args["dtype"], "tensor_parallel_size": tp, "seed": int(args.get("seed", 0)),
-        "enforce_eager": bool(args.get("enforce_eager", True)), "disable_log_stats": False,
-        "trust_remote_code": bool(args.get("trust_remote_code", False)),
-        # one worker in this process when there is one device: no extra interpreter to start (~10 s on CPU)
-        "distributed_executor_backend": "uni" if tp == 1 else "mp",
+        "model": args["verifier"], "dtype": args["dtype"], "seed": int(args.get("seed", 0)), "disable_log_stats": False,
+        **args["engine"],  # the pipeline's engine settings (eagle3.engine.settings.EngineSettings.llm_kwargs)
     }
     if args.get("max_model_len"):
         engine_args["max_model_len"] = int(args["max_model_len"])
-    if args.get("gpu_memory_utilization"):
-        engine_args["gpu_memory_utilization"] = float(args["gpu_memory_utilization"])
     engine_args.update(args.get("engine_args_extra") or {})  # bench/vllm_cpu_speed.py's variants only
     if draft is not None:
         engine_args["speculative_config"] = {"method": "eagle3", "model": draft, "num_speculative_tokens": k,
@@ -293,29 +229,39 @@ def decode_at_concurrency(llm, prompts: list[list[int]], params, concurrency: in
 
 def _session(args: dict[str, Any], prompts: list[list[int]], draft: str | None, *, reference: bool,
              levels: list[int], tag: str) -> dict[str, Any]:
-    """One engine's life: start it; with ``reference`` greedy-generate every prompt in one batch (the tokens the
-    losslessness check compares, and with a draft its acceptance), else a short warm-up; then ``speed_repeats`` timed
-    decodes at each concurrency of ``levels``; free it. Only one engine is ever alive: two engines on the same CPU
+    """One engine's life: start it, ``measure``, free it. Only one engine is ever alive: two engines on the same CPU
     cores slow each other down (vLLM's CPU workers keep their OpenMP threads spinning)."""
+    llm, start_s = _engine(args, draft)
+    result = {"engine_start_seconds": start_s, **measure(llm, args, prompts, draft, reference=reference,
+                                                             levels=levels, tag=tag)}
+    _free(llm)
+    return result
+
+
+def measure(llm, args: dict[str, Any], prompts: list[list[int]], draft: str | None, *, reference: bool,
+            levels: list[int], tag: str) -> dict[str, Any]:
+    """On a live engine (``draft``: its EAGLE-3 draft, or None): with ``reference`` greedy-generate every prompt in
+    one batch (the tokens the losslessness check compares, and with a draft its acceptance), else a short warm-up;
+    then ``args["speed_repeats"]`` timed decodes at each concurrency of ``levels``. The regeneration driver calls it
+    on its own engine for validation's baseline (eagle3.validate.baseline)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     k = int(args["num_speculative_tokens"])
-    llm, start_s = _engine(args, draft)
     params = SamplingParams(temperature=0.0, max_tokens=int(args["max_new_tokens"]))
-    result: dict[str, Any] = {"draft": draft, "engine_start_seconds": start_s}
+    result: dict[str, Any] = {"draft": draft}
     if reference:
-        before = acceptance_from_metrics(llm.get_metrics(), k)
+        before = acceptance_from_metrics(llm.get_metrics(), k) if draft is not None else None
         t0 = time.monotonic()
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         result["generate_seconds"] = time.monotonic() - t0
-        stats = _minus(acceptance_from_metrics(llm.get_metrics(), k), before)
         result.update({
             "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
             "texts": [o.outputs[0].text for o in outputs],
             "finish_reasons": [o.outputs[0].finish_reason for o in outputs],
             "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outputs)})
         if draft is not None:
+            stats = _minus(acceptance_from_metrics(llm.get_metrics(), k), before)
             result["acceptance"] = stats.to_dict()
             _log(f"draft {draft}: mean acceptance length {stats.mean_acceptance_length:.3f}, per position "
                  f"{[round(r, 3) for r in stats.per_position_acceptance]}, {stats.num_drafts} drafts")
@@ -331,7 +277,6 @@ def _session(args: dict[str, Any], prompts: list[list[int]], draft: str | None, 
                  f"{row['seconds']:.2f} s = {row['output_tokens_per_second']:.2f} tok/s (load {_load()})")
             rounds.append({**row, "session": tag})
     result["speed_rounds"] = rounds
-    _free(llm)
     return result
 
 
@@ -378,22 +323,24 @@ def speed_summary(schedule: str, levels: list[int], draft_rounds: list[dict[str,
 
 
 def run_check(args: dict[str, Any]) -> dict[str, Any]:
-    """The trained draft (A) and the verifier alone (B) in the sessions of ``speed_schedule`` (one engine alive at a
+    """The trained draft (A) and the verifier alone (B) in the sessions of ``schedule`` (one engine alive at a
     time; the first A and the first B also generate the reference outputs; speed not measured: just A then B), then
     every other draft (acceptance only); compare token ids."""
     import vllm
 
-    tokenizer = load_tokenizer(args["verifier"], bool(args.get("trust_remote_code", False)))
-    messages = read_prompt_messages(args["prompts_path"], int(args["num_prompts"]))
-    prompts = prompt_token_ids(tokenizer, messages)
-    _log(f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens from "
-         f"{args['prompts_path']}")
+    tokenizer = load_tokenizer(args["verifier"], bool(args["engine"].get("trust_remote_code", False)))  # decoding, stop ids
+    prompts = [list(map(int, p)) for p in args["prompt_token_ids"]]  # rendered by the stage's chat encoder
+    _log(f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens")
     speed = int(args.get("speed_repeats", 0)) > 0
     levels = [int(c) for c in args.get("speed_concurrency") or [1]] if speed else []
-    schedule = str(args.get("speed_schedule") or "AB") if speed else "AB"
+    schedule = str(args["schedule"])  # A / B sessions in order (ValidateConfig.engine_sessions)
     trained, others = args["drafts"][0], args["drafts"][1:]
     first: dict[str, dict[str, Any]] = {}
     rounds: dict[str, list[dict[str, Any]]] = {"A": [], "B": []}
+    if args.get("baseline"):  # the verifier alone ran in the regeneration's engine session (eagle3.validate.baseline)
+        first["B"] = {**args["baseline"]["result"], "engine_start_seconds": 0.0,
+                      "source": args["baseline"]["source"]}
+        rounds["B"] = list(first["B"]["speed_rounds"])
     for i, who in enumerate(schedule):
         s = _session(args, prompts, trained if who == "A" else None, reference=who not in first, levels=levels,
                      tag=f"{who}{i}")
@@ -421,15 +368,16 @@ def run_check(args: dict[str, Any]) -> dict[str, Any]:
         "drafts": drafts,
         "baseline": baseline,
         "engine_starts": engine_starts,
+        "baseline_source": baseline.get("source", "a verifier-alone engine of this check"),
         "speed": speed_summary(schedule, levels, rounds["A"], rounds["B"], engine_starts) if speed else None,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="EAGLE-3 draft check in vLLM (run by eagle3.validate.stage).")
-    ap.add_argument("--args-json", required=True, help="JSON file with verifier, drafts, prompts_path, settings, out")
+    ap.add_argument("job", help="JSON job file: verifier, drafts, prompt_token_ids, settings, engine, out")
     ns = ap.parse_args(argv)
-    args = json.loads(Path(ns.args_json).read_text())
+    args = json.loads(Path(ns.job).read_text())
     result = run_check(args)
     from eagle3.support.io import atomic_write_json  # stdlib only: safe in the vLLM interpreter
 

@@ -10,7 +10,7 @@ from text every Python install carries, the docstrings of the standard library:
     train_tiny_llama()            ->  LlamaForCausalLM (4 layers, hidden 256, untied lm_head), saved in bf16
     write_model_card()            ->  README.md beside the weights
 
-`scripts/build_tiny_verifier.py` runs all of it; nothing here imports Prefect.
+`tools/build_tiny_verifier.py` runs all of it; nothing here imports Prefect.
 
 The split is by TOP-LEVEL module (``email.utils`` goes wherever ``email`` goes), chosen by a hash of the name, so
 no docstring of an evaluation module, nor of its sibling submodules, is ever seen in training. Docstrings are
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eagle3.support import chat
+from eagle3.chat import formats as chat
 from eagle3.support.paths import BUNDLED_DATA, BUNDLED_VERIFIER
 from eagle3.support.provenance import git_revision as current_revision
 from eagle3.support.provenance import versions
@@ -881,7 +881,7 @@ def build_tiny_verifier(
     model_dir: Path = DEFAULT_MODEL_DIR,
     settings: TrainSettings | None = None,
     train_model: bool = True,
-    command: str = "python scripts/build_tiny_verifier.py",
+    command: str = "python tools/build_tiny_verifier.py",
     log=print,
 ) -> dict:
     """Rebuild data, tokenizer and (unless `train_model` is False) the model and its card; returns a summary."""

@@ -1,9 +1,9 @@
 """Rebuild the bundled tiny chat verifier from scratch: data/stdlib-chat/ and models/tiny-chat-verifier/.
 
-    python scripts/build_tiny_verifier.py               # data + tokenizer + model (about 15-30 min on 2 cores)
-    python scripts/build_tiny_verifier.py --data-only   # data + tokenizer only (seconds)
+    python tools/build_tiny_verifier.py               # data + tokenizer + model (about 15-30 min on 2 cores)
+    python tools/build_tiny_verifier.py --data-only   # data + tokenizer only (seconds)
 
-All logic lives in scripts.tiny_verifier.
+All logic lives in tools.tiny_verifier.
 """
 
 import argparse
@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.tiny_verifier import DEFAULT_DATA_DIR, DEFAULT_MODEL_DIR, TrainSettings, build_tiny_verifier
+from tools.tiny_verifier import DEFAULT_DATA_DIR, DEFAULT_MODEL_DIR, TrainSettings, build_tiny_verifier
 
 
 def main() -> None:
@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=defaults.threads, help="torch intra-op threads")
     args = parser.parse_args()
     settings = TrainSettings(steps=args.steps, seed=args.seed, threads=args.threads)
-    command = "python scripts/build_tiny_verifier.py " + shlex.join(sys.argv[1:])
+    command = "python tools/build_tiny_verifier.py " + shlex.join(sys.argv[1:])
     build_tiny_verifier(
         args.data_dir, args.model_dir, settings, train_model=not args.data_only, command=command.strip()
     )

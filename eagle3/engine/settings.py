@@ -1,0 +1,77 @@
+"""The vLLM engine's settings: one model, set once on the pipeline config (``engine``, beside ``verifier_path``) and
+inherited by every stage that starts an engine (regeneration, extraction's vLLM backend, validation); a stage section
+overrides only what truly differs (``EngineOverrides``: validation's job timeout by default).
+
+What is NOT here, because it differs by what a stage does with the engine: the compute dtype (extraction's ``dtype``
+is the features' precision and regeneration inherits it; validation's ``dtype`` is the serving precision),
+``max_model_len`` (the longest sample, the longest conversation, the prompts + generation), batching.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from eagle3.support.settings import RUNTIME
+
+# vLLM's CPU worker reserves gpu_memory_utilization x the host's memory and refuses to start when that much is not
+# free (vllm/v1/worker/cpu_worker.py); its KV cache is VLLM_CPU_KVCACHE_SPACE GiB (eagle3.support.paths sets 1).
+# A quarter of the host is what a CPU engine asks for, so a busy host or several engines do not fail at start.
+CPU_MEMORY_FRACTION = 0.25
+
+
+class EngineSettings(BaseModel):
+    """How the verifier runs in vLLM, for every stage that starts an engine."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    vllm_python: str | None = Field(
+        None, description="Interpreter of the vLLM environment; None = $EAGLE3_VLLM_PYTHON, else the checkout's "
+        ".venv-vllm/bin/python.", json_schema_extra=RUNTIME)
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine (count); Kimi-K2.5: 8.",
+                                      json_schema_extra=RUNTIME)
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0.0, le=1.0, description="On GPUs: fraction of each GPU's memory vLLM may use (weights + KV cache). "
+        f"On a CPU vLLM reads it as a share of host memory to reserve: {CPU_MEMORY_FRACTION} is used there, and the "
+        "KV cache is VLLM_CPU_KVCACHE_SPACE (GiB).", json_schema_extra=RUNTIME)
+    enforce_eager: bool = Field(True, description="No CUDA graphs / torch.compile: a faster start (a verifier "
+                                "load is ~22 minutes for Kimi-K2.5 already).", json_schema_extra=RUNTIME)
+    trust_remote_code: bool = Field(
+        False, description="Let transformers and vLLM run the verifier's own Python code (Kimi-K2.5's tokenizer and "
+        "config need it); also the data stage's tokenizer default.")
+    timeout_s: float = Field(0.0, ge=0.0, description="Kill an engine job (its whole process group) after this many "
+                             "seconds, engine start included; 0 = no limit.", json_schema_extra=RUNTIME)
+
+    def llm_kwargs(self, on_gpu: bool) -> dict[str, Any]:
+        """The ``vllm.LLM`` arguments these settings fix (a driver adds its own: model, dtype, lengths, ...)."""
+        tp = self.tensor_parallel_size
+        return {
+            "tensor_parallel_size": tp,
+            "gpu_memory_utilization": self.gpu_memory_utilization if on_gpu else CPU_MEMORY_FRACTION,
+            "enforce_eager": self.enforce_eager,
+            "trust_remote_code": self.trust_remote_code,
+            # one device: the worker runs in the engine's own process, no extra interpreter (~10 s on CPU)
+            "distributed_executor_backend": "uni" if tp == 1 else "mp",
+        }
+
+    def merged(self, overrides: BaseModel | dict[str, Any] | None) -> EngineSettings:
+        """These settings with a stage's overrides (fields left None are inherited)."""
+        if overrides is None:
+            return self
+        d = overrides.model_dump(exclude_none=True) if isinstance(overrides, BaseModel) else {
+            k: v for k, v in overrides.items() if v is not None}
+        return EngineSettings.model_validate({**self.model_dump(), **d}) if d else self  # validated: ranges hold
+
+
+def _optional(name: str) -> tuple[Any, Any]:
+    f = EngineSettings.model_fields[name]
+    return f.annotation | None, Field(None, description=f"{f.description} None: the pipeline's engine.{name}.",
+                                      json_schema_extra=f.json_schema_extra)
+
+
+# A stage section's overrides: the same fields, each None (inherit) by default; defined by EngineSettings alone.
+EngineOverrides = create_model("EngineOverrides", __config__=ConfigDict(extra="forbid"),
+                               **{n: _optional(n) for n in EngineSettings.model_fields})
+
+VALIDATE_TIMEOUT_S = 1800.0  # validation's engine jobs by default: a draft vLLM cannot serve must not hang the run
