@@ -66,7 +66,16 @@ VARIANTS: dict[str, tuple[dict[str, str], bool]] = {
     "tcmalloc+gomp": ({"LD_PRELOAD": "tcmalloc:gomp"}, True),
     "iomp-omp1": ({"LD_PRELOAD": "iomp", "OMP_NUM_THREADS": "1"}, True),
     "nobind": ({"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, False),
+    "unpadded-drafter": ({}, True),                          # + speculative_config disable_padded_drafter_batch
+    "block-size-32": ({}, True),                             # + engine block_size 32 (the CPU default is 128)
     "recommended": ({}, True),                               # the pipeline's CPU defaults (vllm_subprocess_env)
+}
+
+
+# variants that change the engine rather than its environment: extra keys of the vLLM check's args
+ENGINE_EXTRA: dict[str, dict] = {
+    "unpadded-drafter": {"speculative_config_extra": {"disable_padded_drafter_batch": True}},
+    "block-size-32": {"engine_args_extra": {"block_size": 32}},
 }
 
 
@@ -113,7 +122,8 @@ def main() -> None:
                     "num_prompts": ns.prompts, "max_new_tokens": ns.max_tokens, "num_speculative_tokens": ns.k,
                     "dtype": "float32", "max_model_len": 2048, "engine": EngineSettings().llm_kwargs(on_gpu=False),
                     "seed": 0, "speed_repeats": ns.repeats, "schedule": ns.schedule,
-                    "speed_concurrency": [int(c) for c in ns.concurrency.split(",")], "out": str(out)}
+                    "speed_concurrency": [int(c) for c in ns.concurrency.split(",")], "out": str(out),
+                    **ENGINE_EXTRA.get(name, {})}
             (Path(td) / f"{name}.args.json").write_text(json.dumps(args))
             t = time.monotonic()
             res = run_subprocess([python, "-m", "eagle3.validate.vllm_check",

@@ -4,7 +4,9 @@ processes) equal to one process, bad input, the Prefect task, and learning on th
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +22,7 @@ from eagle3.draft import checkpoint as ckpt
 from eagle3.draft.config import DraftArchitecture
 from eagle3.extract.stage import extract_hidden_states
 from eagle3.store import init_store
+from eagle3.support.dtypes import resolve_compute_dtype
 from eagle3.support.io import sha256_file
 from eagle3.train.config import TrainConfig, TrainError
 from eagle3.train.stage import train_draft
@@ -215,6 +218,33 @@ def test_fixed_seed_loss_trajectory_is_pinned(random_store, tiny_llama_verifier,
     losses = [r["loss"] for r in _metrics(tmp_path / "run") if r["event"] == "train"]
     assert len(losses) == 8
     assert losses == pytest.approx(PINNED_LOSSES, rel=1e-4, abs=1e-5)
+
+
+def test_cpu_bf16_autocast_trains_close_to_float32_and_max_samples_limits_the_data(random_store, tiny_llama_verifier,
+                                                                                     tmp_path, caplog):
+    """Issue 17: train.cpu_dtype bfloat16 runs the CPU matmuls in bf16 (weights and optimizer float32): the same
+    steps, losses within bf16 rounding of the float32 run; train.max_samples trains on the store's first N samples."""
+    from eagle3.support.dtypes import cpu_has_native_bf16
+
+    store, vocab = random_store
+    base = {"epochs": 1, "stop_after_steps": 4, "eval_before_training": False, **TINY}
+    train_draft(TrainConfig(**base), store, vocab, tmp_path / "f32", verifier=tiny_llama_verifier)
+    with caplog.at_level(logging.INFO, logger="eagle3"):
+        train_draft(TrainConfig(**base, cpu_dtype="bfloat16"), store, vocab, tmp_path / "bf16",
+                    verifier=tiny_llama_verifier)
+    f32 = [r["loss"] for r in _metrics(tmp_path / "f32") if r["event"] == "train"]
+    bf16 = [r["loss"] for r in _metrics(tmp_path / "bf16") if r["event"] == "train"]
+    assert len(f32) == len(bf16) == 4 and f32 != bf16
+    assert bf16 == pytest.approx(f32, rel=0.05)
+    assert "bf16 weight copies" in caplog.text  # the memory plan counts autocast's weight copies
+    auto = TrainConfig(**base, cpu_dtype="auto")
+    assert (resolve_compute_dtype(auto.cpu_dtype, "bfloat16", "cpu") == "bfloat16") == cpu_has_native_bf16()
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="eagle3"):
+        train_draft(TrainConfig(**base, max_samples=10), store, vocab, tmp_path / "few", verifier=tiny_llama_verifier)
+    split = re.search(r"(\d+) train samples -> .*?, (\d+) val samples", caplog.text)
+    assert int(split[1]) + int(split[2]) == 10
 
 
 WALL_CLOCK = ("tokens_per_s",)  # the only wall-clock field of a metrics record

@@ -199,11 +199,13 @@ def cache_kept_by_attention(d: DraftConfig, micro_rows: int, seq_len: int, devic
 
 def plan_training_memory(draft: DraftConfig, cfg: TrainConfig, world: int | None = None,
                          device: Literal["cpu", "cuda"] | None = None, batch_dtype_bytes: int | None = None,
-                         micro_rows: int | None = None) -> MemoryPlan:
+                         micro_rows: int | None = None, autocast: bool | None = None) -> MemoryPlan:
     """The plan for ``draft`` trained with ``cfg`` by ``world`` processes (default nodes x nproc) on ``device``
     (default: cfg.device, auto = cuda when available). ``batch_dtype_bytes``: bytes per stored state value in the
     batches (default: 2 on CUDA, 4 on CPU; a float8 store's states arrive dequantized to the compute dtype);
-    ``micro_rows``: rows per micro-batch (default batch_size / (world * grad_accum_steps))."""
+    ``micro_rows``: rows per micro-batch (default batch_size / (world * grad_accum_steps)); ``autocast``: bf16
+    autocast (default: on CUDA only; a CPU's bf16 autocast, train.cpu_dtype, is planned as float32 activations, an
+    upper bound, plus autocast's bf16 weight copies)."""
     world = world or cfg.world_size
     if device is None:
         device = device_type(cfg.device)
@@ -254,7 +256,7 @@ def plan_training_memory(draft: DraftConfig, cfg: TrainConfig, world: int | None
     else:
         act["fc input"] = (c if cuda else (0 if sb == F32 else F32)) * n * width
     act["context mask"] = b * t * t  # bool, built once
-    if cuda:
+    if cuda if autocast is None else autocast:
         act["autocast weight copies"] = 2 * matmul
     act["teacher probabilities"] = 2 * F32 * n * dv + 12 * n  # log-probs + probs [N, D], argmax, entropy
     act["last-step transients"] = c * n * dv + F32 * n * dv  # its logits + the KL product [N, D]
@@ -264,7 +266,8 @@ def plan_training_memory(draft: DraftConfig, cfg: TrainConfig, world: int | None
                   f"{kk} TTT steps over {n:,} tokens (last step {_gb(per_step)}; K/V "
                   f"{_gb(act['k/v cache'] + act['k/v concatenated'])}, log-softmaxes {_gb(act['log-softmax'])}), "
                   f"teacher {_gb(act['teacher probabilities'])}, transients {_gb(act['last-step transients'])}"
-                  + (f", bf16 weight copies {_gb(act['autocast weight copies'])}" if cuda else "")))
+                  + (f", bf16 weight copies {_gb(act['autocast weight copies'])}"
+                     if "autocast weight copies" in act else "")))
     micro = n * (draft.n_aux * draft.target_hidden_size + h) * sb + n * (8 * 3 + 1)  # states + ids/seq/pos + mask
     resident = 1 if cuda else cfg.grad_accum_steps * (1 + 2 * cfg.loader_workers)
     batch = micro * resident

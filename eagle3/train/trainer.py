@@ -28,7 +28,7 @@ from eagle3.draft import checkpoint as ckpt
 from eagle3.draft.config import DraftConfig
 from eagle3.draft.model import Eagle3Draft
 from eagle3.store import STORE_JSON, HiddenStateStore, StoreError
-from eagle3.support.dtypes import resolve_device
+from eagle3.support.dtypes import resolve_compute_dtype, resolve_device
 from eagle3.support.io import atomic_write_text, sha256_file
 from eagle3.support.progress import Progress, fmt_duration
 from eagle3.support.settings import output_view
@@ -83,7 +83,9 @@ class Trainer:
                              f"of nproc {d.world} x grad_accum_steps {cfg.grad_accum_steps}")
         self.micro = cfg.batch_size // (d.world * cfg.grad_accum_steps)
         self.device = self._device()
-        self.autocast = torch.bfloat16 if self.device.type == "cuda" else None
+        # bf16 autocast on CUDA; on a CPU as cpu_dtype says ("auto": bf16 only where the CPU multiplies it natively)
+        cpu_bf16 = resolve_compute_dtype(cfg.cpu_dtype, "bfloat16", "cpu") == "bfloat16"
+        self.autocast = torch.bfloat16 if self.device.type == "cuda" or cpu_bf16 else None
         # a float8 store's states: dequantized to the compute dtype by the loader workers on CPU, on the GPU after
         # the copy on CUDA (Batch.to)
         self.dequant_dtype = self.autocast or torch.float32
@@ -163,6 +165,7 @@ class Trainer:
         On CPU the host's RAM is shared by all ranks: local rank 0 checks for all of them."""
         state_bytes = self.dequant_dtype.itemsize if self.store.scaled else self.store.dtype.itemsize
         self.memory_plan = plan_training_memory(self.draft_cfg, self.cfg, self.dist.world, self.device.type,
+                                                autocast=self.autocast is not None,
                                                 batch_dtype_bytes=state_bytes, micro_rows=self.micro)
         if self.dist.main:
             for line in self.memory_plan.summary().splitlines():

@@ -166,8 +166,10 @@ def _engine(args: dict[str, Any], draft: str | None):
     }
     if args.get("max_model_len"):
         engine_args["max_model_len"] = int(args["max_model_len"])
+    engine_args.update(args.get("engine_args_extra") or {})  # bench/vllm_cpu_speed.py's variants only
     if draft is not None:
-        engine_args["speculative_config"] = {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
+        engine_args["speculative_config"] = {"method": "eagle3", "model": draft, "num_speculative_tokens": k,
+                                             **(args.get("speculative_config_extra") or {})}
     _log(f"starting engine ({f'draft {draft}' if draft else 'no speculation'}); LD_PRELOAD="
          f"{os.environ.get('LD_PRELOAD', '')!r}, load {_load()}")
     t0 = time.monotonic()

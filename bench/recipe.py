@@ -1,0 +1,97 @@
+"""The training recipe on SmolLM2-135M-Instruct, one change at a time, each measured by real vLLM (issue 17).
+
+    .venv/bin/python bench/recipe.py --runs-dir runs/recipe --run-name smollm2-all \\
+        --variant "baseline:" --variant "bs2:train.batch_size=2" --variant "bs2+lr4e-3:train.batch_size=2,train.lr=4e-3" \\
+        [--prompts 65] [--set KEY=VALUE ...]
+
+Every variant is the smollm2 preset (prefect.yaml) plus the ``--set`` overrides common to all, plus its own
+``KEY=VALUE`` overrides (comma-separated, values parsed as JSON when they parse), run as one pipeline flow in the same
+runs folder and run name: prepare, regeneration, extraction and the vocabulary are cached after the first variant
+(use ``train.max_samples`` to train on the first N samples of one big extraction), so each variant retrains and
+revalidates only. vLLM's mean acceptance length on the first ``--prompts`` held-out prompts (the eval split, never
+trained on; 3 draft tokens, 64 new tokens, temperature 0) is the figure; printed beside it: the trainer's own
+simulated acceptance on its validation split, optimizer steps, tokens trained, training wall time and the machine
+load (1/5/15 min) at the end of each variant. Results are appended to ``<runs-dir>/recipe-results.jsonl`` as they
+come, so a long queue can be read while it runs. No decoding speed here (speed_repeats 0): bench/vllm_cpu_speed.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from tasks.prefect_env import apply_prefect_env_defaults  # before Prefect is imported
+
+apply_prefect_env_defaults()
+
+from eagle3.config import load_config, parse_set
+from eagle3.train.stage import DraftCheckpoint
+from flows.eagle3_pipeline import eagle3_pipeline
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """"name:key=value,key=value" -> (name, overrides); a value is JSON when it parses, else a string."""
+    name, _, rest = text.partition(":")
+    return name, parse_set([kv for kv in rest.split(",") if kv.strip()])
+
+
+def latest_dir(run_dir: Path, stage: str) -> Path:
+    """The stage folder of ``run_dir`` written last (the variant just run)."""
+    return max(run_dir.glob(f"{stage}-*"), key=lambda p: p.stat().st_mtime)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs-dir", required=True)
+    ap.add_argument("--run-name", default="recipe")
+    ap.add_argument("--variant", action="append", required=True, help="NAME:KEY=VALUE,KEY=VALUE (repeatable)")
+    ap.add_argument("--prompts", type=int, default=65, help="held-out validation prompts")
+    ap.add_argument("--set", action="append", default=[], help="overrides common to every variant")
+    args = ap.parse_args()
+    common = {"runs_dir": args.runs_dir, "run_name": args.run_name, "validate.num_prompts": args.prompts,
+              "validate.compare_untrained": False, "validate.speed_repeats": 0,
+              "validate.min_mean_acceptance_length": None, **parse_set(args.set)}
+    log_path = Path(args.runs_dir) / "recipe-results.jsonl"
+    print(f"machine load (1/5/15 min) at start: {_load()}", flush=True)
+    rows = {}
+    for text in args.variant:
+        name, overrides = parse_variant(text)
+        t0 = time.perf_counter()
+        state = eagle3_pipeline(load_config("smollm2", {**common, **overrides}), return_state=True)
+        wall = time.perf_counter() - t0
+        if state.is_completed():
+            summary = state.result()
+            ckpt = DraftCheckpoint.load(Path(summary["checkpoint"]).parent.parent)
+            report = json.loads(Path(summary["report"]).with_name("report.json").read_text())
+        else:  # a failed verdict still wrote its report: the stage folders written last are this variant's
+            print(f"{name}: the flow ended {state.type.value}: {state.message}", flush=True)
+            run_dir = Path(load_config("smollm2", {**common, **overrides}).run_dir)
+            ckpt = DraftCheckpoint.load(latest_dir(run_dir, "train-draft"))
+            report = json.loads((latest_dir(run_dir, "validate-draft") / "report.json").read_text())
+        acc = report["vllm"]["acceptance"]
+        rows[name] = row = {
+            "variant": name, "overrides": overrides, "vllm": acc["mean_acceptance_length"],
+            "per_position": acc["per_position_acceptance"], "lossless": report["vllm"]["lossless"],
+            "sim": (ckpt.final_val or {}).get("sim_accept_len"), "best_epoch": ckpt.best_epoch,
+            "steps": ckpt.global_step, "tokens": ckpt.tokens_seen, "train_s": ckpt.wall_s, "flow_s": wall,
+            "load_end": _load(), "common": common, "prompts": args.prompts}
+        with log_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"{name}: vLLM mean acceptance length {row['vllm']:.3f} (per position "
+              f"{[round(x, 3) for x in row['per_position']]}), trainer sim {row['sim']:.3f}, {row['steps']} steps, "
+              f"{row['tokens']:,} tokens, train {row['train_s']:.0f} s, flow {wall:.0f} s, load {row['load_end']}",
+              flush=True)
+    print(f"\n{'variant':32}{'vLLM AL':>9}{'sim':>8}{'steps':>7}{'train s':>9}  load (end)")
+    for name, r in rows.items():
+        print(f"{name:32}{r['vllm']:>9.3f}{r['sim']:>8.3f}{r['steps']:>7}{r['train_s']:>9.0f}  {r['load_end']}")
+
+
+if __name__ == "__main__":
+    main()
