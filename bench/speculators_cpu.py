@@ -1,10 +1,10 @@
 """Run speculators' training CLI (speculators==0.9.0, in its own virtual environment) on a machine without an
 accelerator: a launcher that patches at runtime what 0.9 assumes of a GPU, nothing edited on disk.
 
-    /work/venv-speculators/bin/python bench/speculators_cpu.py --verifier-name-or-path ... --data-path ... [...]
+    .venv-speculators/bin/python bench/speculators_cpu.py --verifier-name-or-path ... --data-path ... [...]
 
 Every argument goes to speculators' own ``TrainConfig.resolve`` (``speculators train --help`` lists them). Patched
-(../shared/ENV.md): ``torch.accelerator.synchronize`` is a no-op and ``current_device_index`` returns 0; speculators'
+(found by trial on a CPU machine): ``torch.accelerator.synchronize`` is a no-op and ``current_device_index`` returns 0; speculators'
 device helpers (``speculators.utils.util.get_current_device``, ``speculators.train.checkpointer.get_current_device``,
 ``speculators.train.trainer.get_local_rank``) return "cpu"; its Trainer's ``device_type`` (the autocast device) is
 "cpu". Used by bench/speculators_side_by_side.py; imports nothing of this project.

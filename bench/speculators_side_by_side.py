@@ -1,7 +1,7 @@
 """Our draft training against speculators 0.9's, on the same data, side by side in one run (issue 17).
 
     .venv/bin/python bench/speculators_side_by_side.py --run-dir runs/recipe/smollm2-all [--samples 600] [--epochs 3]
-        [--prompts 65] [--out DIR] [--equal-wall-clock] [--speculators-python /work/venv-speculators/bin/python]
+        [--prompts 65] [--out DIR] [--equal-wall-clock] [--speculators-python PYTHON]
 
 Same inputs for both: the hidden-state store and the draft vocabulary (d2t / t2d) of a finished pipeline run (its
 extract-hidden-states and build-vocab stages: SmolLM2's own regenerated answers, aux layers [2, 15, 27] in vLLM's
@@ -38,7 +38,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-SPECULATORS_PYTHON = "/work/venv-speculators/bin/python"
+# speculators' own environment (its pins clash with the pipeline's): EAGLE3_SPECULATORS_PYTHON, else .venv-speculators
+# in the checkout, made with: python3 -m venv .venv-speculators && .venv-speculators/bin/pip install
+# speculators==0.9.0 torch==2.13.0 && .venv-speculators/bin/pip uninstall -y torchvision torchaudio torchcodec
+SPECULATORS_PYTHON = os.environ.get("EAGLE3_SPECULATORS_PYTHON", str(REPO / ".venv-speculators" / "bin" / "python"))
 PROMPTS = REPO / "data" / "stdlib-chat" / "eval.openai.jsonl"
 
 
