@@ -369,16 +369,26 @@ def eval_loss(model, tokenizer, conversations: Sequence[list[dict[str, str]]]) -
 
 def build_kimi_mini(out: Path = KIMI_MINI_DIR, settings: KimiMiniSettings | None = None,
                     data_dir: Path = BUNDLED_DATA, command: str = "python tools/build_kimi_mini.py",
-                    log=print) -> dict[str, Any]:
-    """Train kimi-mini from scratch on the bundled training chats, write it in Kimi-K2.5's layout, evaluate the
-    shipped (bf16) weights and write the model card; raises when the quality gate fails."""
+                    log=print, continue_from: Path | None = None) -> dict[str, Any]:
+    """Train kimi-mini from scratch on the bundled training chats (or, with ``continue_from``, go on training a
+    built kimi-mini from its shipped weights, with a new warmup + cosine schedule), write it in Kimi-K2.5's layout,
+    evaluate the shipped (bf16) weights and write the model card; raises when the quality gate fails."""
     settings = settings or KimiMiniSettings()
     revision = git_revision() or "unknown"
     tokenizer = kimi_tokenizer()
     train = read_messages(Path(data_dir) / "train.openai.jsonl")
     held = read_messages(Path(data_dir) / "eval.openai.jsonl")
-    model = new_model(KIMI_MINI_TEXT, settings.seed)
+    earlier = None
+    if continue_from is not None:
+        earlier = json.loads((Path(continue_from) / "training.json").read_text())
+        model = load_kimi_shaped(Path(continue_from)).train().requires_grad_(True)
+    else:
+        model = new_model(KIMI_MINI_TEXT, settings.seed)
     model, history = train_causal_lm(model, conversation_docs(tokenizer, train), settings, log)
+    if earlier is not None:  # the steps of every phase, from scratch on
+        history["total_steps"] = earlier["history"].get("total_steps", earlier["settings"]["steps"]) + settings.steps
+        history["wall_seconds_all_phases"] = round(earlier["history"].get(
+            "wall_seconds_all_phases", earlier["history"]["wall_seconds"]) + history["wall_seconds"], 1)
     save_kimi_shaped(model, tokenizer, out, KIMI_MINI_TEXT)
     shipped = load_kimi_shaped(out)  # the bf16 weights as written, through the pipeline's loader
     evaluation = {**eval_loss(shipped, tokenizer, held), **quality_gate(shipped, tokenizer, held)}
@@ -386,9 +396,11 @@ def build_kimi_mini(out: Path = KIMI_MINI_DIR, settings: KimiMiniSettings | None
                zip(quality_prompts(held, 5), greedy_answers(shipped, tokenizer, quality_prompts(held, 5)))]
     log(f"[eval] {evaluation}")
     record = {"settings": settings.__dict__, "history": history, "evaluation": evaluation, "versions": versions(),
-              "git_revision": revision, "command": command, "text_config": KIMI_MINI_TEXT}
+              "git_revision": revision, "command": command, "text_config": KIMI_MINI_TEXT,
+              "continued_from": earlier,  # the record of the build this one went on training (None: from scratch)
+              "commands": [*((earlier or {}).get("commands") or ([earlier["command"]] if earlier else [])), command]}
     (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
-    write_model_card(out, settings, history, evaluation, samples, command)
+    write_model_card(out, settings, history, evaluation, samples, "\n".join(record["commands"]))
     if bad := gate_failures(evaluation):
         raise RuntimeError(f"kimi-mini failed its quality gate: {'; '.join(bad)}")
     return record
@@ -398,6 +410,10 @@ def write_model_card(out: Path, settings: KimiMiniSettings, history: dict, evalu
                      samples: Sequence[tuple[str, str]], command: str) -> None:
     params = history["parameters"]
     t = KIMI_MINI_TEXT
+    phases = "" if "total_steps" not in history else (
+        f" This phase went on training an earlier build from its shipped weights (its record: `continued_from` in "
+        f"training.json): {history['total_steps']} steps and {history['wall_seconds_all_phases'] / 60:.1f} minutes "
+        f"in all.")
     sample_md = "\n\n".join(f"**Prompt:** {q}\n\n```text\n{a}\n```" for q, a in samples)
     curve = ", ".join(f"{s}: {v:.2f}" for s, v in history["loss_curve"][:: max(1, len(history["loss_curve"]) // 10)])
     (out / "README.md").write_text(f"""# kimi-mini
@@ -429,10 +445,10 @@ The bundled byte-level BPE (vocab 8192) plus Kimi's special tokens {", ".join(f"
 `{{% generation %}}` marks (the loss mask). Generation stops at `<|im_end|>` or `<|eos|>`.
 
 ## Training
-From scratch on CPU, seed {settings.seed}, {settings.threads} threads: AdamW (betas {settings.betas}, weight decay
+{'From scratch' if 'total_steps' not in history else 'Last phase'} on CPU, seed {settings.seed}, {settings.threads} threads: AdamW (betas {settings.betas}, weight decay
 {settings.weight_decay} on matrices), peak lr {settings.lr}, {settings.warmup_steps} warmup steps then cosine to
 {settings.lr * settings.min_lr_ratio:g}, {settings.steps} steps of {settings.batch_size} x {settings.seq_len}-token
-sequences packed from the {history["train_tokens"]:,} training tokens. Wall time {history["wall_seconds"] / 60:.1f} minutes.
+sequences packed from the {history["train_tokens"]:,} training tokens. Wall time {history["wall_seconds"] / 60:.1f} minutes.{phases}
 
 - Final training loss (mean of the last {settings.log_every} steps): **{history["final_train_loss"]:.3f}**
 - Held-out perplexity (shipped bf16 weights): **{evaluation["all_perplexity"]:.2f}** over all tokens,
@@ -443,6 +459,7 @@ sequences packed from the {history["train_tokens"]:,} training tokens. Wall time
 64 greedy tokens, end of turn ignored, on the first {evaluation["prompts"]} held-out prompts: distinct tokens per
 answer {evaluation["distinct_tokens"]} (gate: >= 20), longest single-token run {evaluation["longest_run"]} (gate: < 8),
 {evaluation["distinct_answers"]} distinct answers of {evaluation["prompts"]} (gate: at most one repeat).
+{"Passed." if not gate_failures(evaluation) else "**Not passed**: " + "; ".join(gate_failures(evaluation)) + "."}
 
 ## Rebuild
 

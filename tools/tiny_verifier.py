@@ -534,6 +534,8 @@ class TrainSettings:
     seed: int = 0
     threads: int = 2  # torch intra-op threads
     log_every: int = 10
+    bf16_autocast: bool = False  # matmuls in bf16 (weights and AdamW float32): 1.5x faster where the CPU has native
+    # bf16 (kimi-mini's step on this project's AVX512-BF16 EPYC: 2.7 s against 4.2 s), far slower where it has not
 
 
 def model_config(tokenizer, vocab_size: int = VOCAB_SIZE):
@@ -629,7 +631,8 @@ def train_causal_lm(model, train_docs: Sequence[list[int]], settings: TrainSetti
         batch = next(batches)  # [batch, seq_len]
         for group in optim.param_groups:
             group["lr"] = _lr_at(step, settings)
-        loss = model(input_ids=batch, labels=batch).loss  # labels are shifted inside the model
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16_autocast):
+            loss = model(input_ids=batch, labels=batch).loss  # labels are shifted inside the model
         optim.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
