@@ -61,9 +61,9 @@ def to_speculators_format(store_dir: Path, mapping: Path, samples: int | None, o
     import numpy as np
     import torch
     from datasets import Dataset
-    from eagle3.extract.store import HiddenStateStore
     from safetensors.torch import save_file
 
+    from eagle3.store import HiddenStateStore
     from eagle3.vocab import load_mapping
 
     store = HiddenStateStore(store_dir)
@@ -106,10 +106,9 @@ def ours_side(ns: argparse.Namespace) -> None:
     """Our trainer in this process (run under /usr/bin/time by the orchestrator)."""
     import logging
 
-    from eagle3.support.gguf_convert import SMOLLM2_DIR
-
     from eagle3.config import load_config
     from eagle3.train.stage import train_draft
+    from tools.gguf_convert import SMOLLM2_DIR
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     cfg = load_config("smollm2", {"train.epochs": ns.epochs, "train.max_samples": ns.samples,
@@ -131,7 +130,7 @@ def train_ours(store: Path, mapping: Path, samples: int, epochs: int, out: Path)
 
 
 def train_speculators(python: str, data: Path, samples: int, epochs: int, out: Path) -> dict:
-    from eagle3.support.gguf_convert import SMOLLM2_DIR
+    from tools.gguf_convert import SMOLLM2_DIR
 
     cmd = [python, str(REPO / "bench" / "speculators_cpu.py"),
            "--verifier-name-or-path", str(SMOLLM2_DIR), "--data-path", str(data), "--speculator-type", "eagle3",
@@ -152,10 +151,9 @@ def train_speculators(python: str, data: Path, samples: int, epochs: int, out: P
 
 def acceptance(draft: str, prompts: int, work: Path) -> dict:
     """vLLM's mean acceptance length of ``draft`` on the held-out prompts (the validation's own vLLM check)."""
-    from eagle3.support.gguf_convert import SMOLLM2_DIR
-
     from eagle3.validate.config import ValidateConfig
     from eagle3.validate.stage import run_vllm_check
+    from tools.gguf_convert import SMOLLM2_DIR
 
     cfg = ValidateConfig(num_prompts=prompts, max_new_tokens=64, speed_repeats=0, dtype="float32",
                          max_model_len=2048)
