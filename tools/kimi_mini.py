@@ -380,7 +380,10 @@ def build_kimi_mini(out: Path = KIMI_MINI_DIR, settings: KimiMiniSettings | None
     held = read_messages(Path(data_dir) / "eval.openai.jsonl")
     earlier = None
     if continue_from is not None:
-        earlier = json.loads((Path(continue_from) / "training.json").read_text())
+        record_file = Path(continue_from) / "training.json"
+        if not record_file.is_file():
+            raise SystemExit(f"--continue-from {continue_from}: no training.json there (not a kimi-mini build)")
+        earlier = json.loads(record_file.read_text())
         model = load_kimi_shaped(Path(continue_from)).train().requires_grad_(True)
     else:
         model = new_model(KIMI_MINI_TEXT, settings.seed)
@@ -398,7 +401,7 @@ def build_kimi_mini(out: Path = KIMI_MINI_DIR, settings: KimiMiniSettings | None
     record = {"settings": settings.__dict__, "history": history, "evaluation": evaluation, "versions": versions(),
               "git_revision": revision, "command": command, "text_config": KIMI_MINI_TEXT,
               "continued_from": earlier,  # the record of the build this one went on training (None: from scratch)
-              "commands": [*((earlier or {}).get("commands") or ([earlier["command"]] if earlier else [])), command]}
+              "commands": [*(earlier["commands"] if earlier else []), command]}
     (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     write_model_card(out, settings, history, evaluation, samples, "\n".join(record["commands"]))
     if bad := gate_failures(evaluation):
