@@ -256,7 +256,7 @@ def plan_training_memory(draft: DraftConfig, cfg: TrainConfig, world: int | None
     else:
         act["fc input"] = (c if cuda else (0 if sb == F32 else F32)) * n * width
     act["context mask"] = b * t * t  # bool, built once
-    if cuda if autocast is None else autocast:
+    if (cuda if autocast is None else autocast):  # autocast keeps bf16 copies of the matmul weights
         act["autocast weight copies"] = 2 * matmul
     act["teacher probabilities"] = 2 * F32 * n * dv + 12 * n  # log-probs + probs [N, D], argmax, entropy
     act["last-step transients"] = c * n * dv + F32 * n * dv  # its logits + the KL product [N, D]
