@@ -13,6 +13,12 @@ trained on; 3 draft tokens, 64 new tokens, temperature 0) is the figure; printed
 simulated acceptance on its validation split, optimizer steps, tokens trained, training wall time and the machine
 load (1/5/15 min) at the end of each variant. Results are appended to ``<runs-dir>/recipe-results.jsonl`` as they
 come, so a long queue can be read while it runs. No decoding speed here (speed_repeats 0): bench/vllm_cpu_speed.py.
+
+``--from-run RUN_DIR`` trains on a store made earlier (that folder's newest prepare-regenerated-* dataset and
+extract-hidden-states-* store, for example a 2,056-conversation extraction made by another checkout, whose stage keys
+need not match this one's): each variant then builds the vocabulary, trains and validates through the same library
+functions the flow's stages call, into ``<runs-dir>/<variant>/``, with the preset's settings plus the overrides;
+the extraction settings of the store (aux layers, dtype) are the store's own.
 """
 
 from __future__ import annotations
@@ -27,8 +33,12 @@ from tasks.prefect_env import apply_prefect_env_defaults  # before Prefect is im
 
 apply_prefect_env_defaults()
 
-from eagle3.config import load_config, parse_set
-from eagle3.train.stage import DraftCheckpoint
+from eagle3.config import PipelineConfig, load_config, parse_set
+from eagle3.support.paths import resolve_path
+from eagle3.support.verifier import VerifierSpec
+from eagle3.train.stage import DraftCheckpoint, train_draft
+from eagle3.validate.stage import validate_draft
+from eagle3.vocab import build_vocab
 from flows.eagle3_pipeline import eagle3_pipeline
 
 
@@ -47,6 +57,18 @@ def latest_dir(run_dir: Path, stage: str) -> Path:
     return max(run_dir.glob(f"{stage}-*"), key=lambda p: p.stat().st_mtime)
 
 
+def run_from_store(config: PipelineConfig, store_run: Path, out: Path) -> tuple[DraftCheckpoint, dict]:
+    """vocab -> train -> validate on ``store_run``'s newest regenerated dataset and store, into ``out``: the library
+    calls of the flow's vocab, train and validate stages, without the flow (no stage keys to match)."""
+    dataset = latest_dir(store_run, "prepare-regenerated") / "dataset"
+    store = latest_dir(store_run, "extract-hidden-states") / "store"
+    vocab = build_vocab(config.vocab, dataset, VerifierSpec.from_path(config.verifier).vocab_size, out / "vocab")
+    ckpt = train_draft(config.train_config(), store, vocab, out / "train", verifier=config.verifier)
+    report = validate_draft(config.validate_config, ckpt, out / "validate", verifier=config.verifier,
+                            prompts_path=resolve_path(config.validate_config.prompts_path), chat=config.chat_settings())
+    return ckpt, report.report()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs-dir", required=True)
@@ -54,6 +76,7 @@ def main() -> None:
     ap.add_argument("--variant", action="append", required=True, help="NAME:KEY=VALUE,KEY=VALUE (repeatable)")
     ap.add_argument("--prompts", type=int, default=65, help="held-out validation prompts")
     ap.add_argument("--set", action="append", default=[], help="overrides common to every variant")
+    ap.add_argument("--from-run", type=Path, help="train on this run folder's store instead of running the flow")
     args = ap.parse_args()
     common = {"runs_dir": args.runs_dir, "run_name": args.run_name, "validate.num_prompts": args.prompts,
               "validate.compare_untrained": False, "validate.speed_repeats": 0,
@@ -64,6 +87,11 @@ def main() -> None:
     for text in args.variant:
         name, overrides = parse_variant(text)
         t0 = time.perf_counter()
+        if args.from_run:
+            ckpt, report = run_from_store(load_config("smollm2", {**common, **overrides}), args.from_run,
+                                          Path(args.runs_dir) / name)
+            rows[name] = _row(name, overrides, ckpt, report, time.perf_counter() - t0, common, args, log_path)
+            continue
         state = eagle3_pipeline(load_config("smollm2", {**common, **overrides}), return_state=True)
         wall = time.perf_counter() - t0
         if state.is_completed():
@@ -75,22 +103,28 @@ def main() -> None:
             run_dir = Path(load_config("smollm2", {**common, **overrides}).run_dir)
             ckpt = DraftCheckpoint.load(latest_dir(run_dir, "train-draft"))
             report = json.loads((latest_dir(run_dir, "validate-draft") / "report.json").read_text())
-        acc = report["vllm"]["acceptance"]
-        rows[name] = row = {
-            "variant": name, "overrides": overrides, "vllm": acc["mean_acceptance_length"],
-            "per_position": acc["per_position_acceptance"], "lossless": report["vllm"]["lossless"],
-            "sim": (ckpt.final_val or {}).get("sim_accept_len"), "best_epoch": ckpt.best_epoch,
-            "steps": ckpt.global_step, "tokens": ckpt.tokens_seen, "train_s": ckpt.wall_s, "flow_s": wall,
-            "load_end": _load(), "common": common, "prompts": args.prompts}
-        with log_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        print(f"{name}: vLLM mean acceptance length {row['vllm']:.3f} (per position "
-              f"{[round(x, 3) for x in row['per_position']]}), trainer sim {row['sim']:.3f}, {row['steps']} steps, "
-              f"{row['tokens']:,} tokens, train {row['train_s']:.0f} s, flow {wall:.0f} s, load {row['load_end']}",
-              flush=True)
+        rows[name] = _row(name, overrides, ckpt, report, wall, common, args, log_path)
     print(f"\n{'variant':32}{'vLLM AL':>9}{'sim':>8}{'steps':>7}{'train s':>9}  load (end)")
     for name, r in rows.items():
         print(f"{name:32}{r['vllm']:>9.3f}{r['sim']:>8.3f}{r['steps']:>7}{r['train_s']:>9.0f}  {r['load_end']}")
+
+
+def _row(name, overrides, ckpt, report, wall, common, args, log_path) -> dict:
+    """One variant's figures: appended to ``log_path`` and printed."""
+    acc = report["vllm"]["acceptance"]
+    row = {"variant": name, "overrides": overrides, "vllm": acc["mean_acceptance_length"],
+           "per_position": acc["per_position_acceptance"], "lossless": report["vllm"]["lossless"],
+           "sim": (ckpt.final_val or {}).get("sim_accept_len"), "best_epoch": ckpt.best_epoch,
+           "steps": ckpt.global_step, "tokens": ckpt.tokens_seen, "train_s": ckpt.wall_s, "flow_s": wall,
+           "load_end": _load(), "common": common, "prompts": args.prompts,
+           "from_run": str(args.from_run) if args.from_run else None}
+    with log_path.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(f"{name}: vLLM mean acceptance length {row['vllm']:.3f} (per position "
+          f"{[round(x, 3) for x in row['per_position']]}), trainer sim {row['sim']:.3f}, {row['steps']} steps, "
+          f"{row['tokens']:,} tokens, train {row['train_s']:.0f} s, flow {wall:.0f} s, load {row['load_end']}",
+          flush=True)
+    return row
 
 
 if __name__ == "__main__":

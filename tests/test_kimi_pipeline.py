@@ -28,6 +28,7 @@ BUDGETS = {  # sizes only: the preset's stage choices (regeneration, vLLM extrac
     "data.max_samples": 24, "regenerate.max_new_tokens": 48, "train.epochs": 1,
     "train.batch_size": 2,  # 24 short samples pack into ~5 rows of 512 tokens: 2 per step
     "validate.num_prompts": 3, "validate.max_new_tokens": 24, "validate.compare_untrained": False,
+    "validate.speed_repeats": 0,  # the verdict, not the speed (timed per level in test_smollm2_pipeline)
     "validate.min_mean_acceptance_length": None}
 
 
