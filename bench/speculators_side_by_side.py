@@ -151,13 +151,15 @@ def train_speculators(python: str, data: Path, samples: int, epochs: int, out: P
 
 def acceptance(draft: str, prompts: int, work: Path) -> dict:
     """vLLM's mean acceptance length of ``draft`` on the held-out prompts (the validation's own vLLM check)."""
+    from eagle3.chat.encoder import ChatSettings
     from eagle3.validate.config import ValidateConfig
     from eagle3.validate.stage import run_vllm_check
     from tools.gguf_convert import SMOLLM2_DIR
 
     cfg = ValidateConfig(num_prompts=prompts, max_new_tokens=64, speed_repeats=0, dtype="float32",
                          max_model_len=2048)
-    result = run_vllm_check(cfg, SMOLLM2_DIR, [draft], PROMPTS, work)
+    prompt_ids = ChatSettings(tokenizer_path=str(SMOLLM2_DIR)).held_out_prompt_ids(PROMPTS, prompts)
+    result = run_vllm_check(cfg, SMOLLM2_DIR, [draft], prompt_ids, work)
     d = result["drafts"][0]
     return {"mean_acceptance_length": d["acceptance"]["mean_acceptance_length"],
             "per_position": d["acceptance"]["per_position_acceptance"], "lossless": d["lossless"]}
