@@ -54,7 +54,10 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 def latest_dir(run_dir: Path, stage: str) -> Path:
     """The stage folder of ``run_dir`` written last (the variant just run)."""
-    return max(run_dir.glob(f"{stage}-*"), key=lambda p: p.stat().st_mtime)
+    found = list(Path(run_dir).glob(f"{stage}-*"))
+    if not found:
+        raise SystemExit(f"{run_dir}: no {stage}-* folder there (run the pipeline's {stage} stage into it first)")
+    return max(found, key=lambda p: p.stat().st_mtime)
 
 
 def run_from_store(config: PipelineConfig, store_run: Path, out: Path) -> tuple[DraftCheckpoint, dict]:

@@ -32,6 +32,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (only where the CPU has native bf16)")
     args = parser.parse_args()
+    if args.bf16:
+        from eagle3.support.dtypes import cpu_has_native_bf16
+
+        if not cpu_has_native_bf16():
+            parser.error("--bf16: this CPU has no native bf16 matmul (bf16 autocast would run ~20x slower); "
+                         "build without --bf16")
     settings = KimiMiniSettings(steps=args.steps, seed=args.seed, threads=args.threads, lr=args.lr,
                                 bf16_autocast=args.bf16)
     command = ("python tools/build_kimi_mini.py " + shlex.join(sys.argv[1:])).strip()
