@@ -34,7 +34,7 @@ import json
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -128,9 +128,18 @@ SHARD_BYTES = 16 << 20  # bf16 bytes per safetensors shard (kimi-mini: 2 shards 
 class KimiMiniSettings(TrainSettings):
     """Training recipe of kimi-mini (TrainSettings' fields; seq_len in tokens, batch_size in sequences)."""
 
-    steps: int = 900
+    steps: int = 1000
     lr: float = 2e-3
     warmup_steps: int = 40
+    # Kimi's MLA widths at a hidden size of 192 make q_b_proj (fan-in q_lora_rank 1536) and kv_b_proj (fan-in
+    # kv_lora_rank 512) wide expansions behind an RMSNorm: at the lr of the rest an Adam step moves their outputs
+    # fan_in / hidden times as far as a Llama projection's. Scaling their lr by hidden / fan_in (muP's rule for
+    # fan-in) took the training loss at step 120 of a 900-step schedule from 5.58 to 5.01 (bf16 probes, seed 0; a
+    # Llama of the same shape and data: 4.70; 4 heads, routed scaling 1, all-dense layers or the default rope instead:
+    # 5.57-5.81, so none of those was the cause)
+    lr_scale: dict[str, float] = field(default_factory=lambda: {
+        "q_b_proj": KIMI_MINI_TEXT["hidden_size"] / KIMI_MINI_TEXT["q_lora_rank"],
+        "kv_b_proj": KIMI_MINI_TEXT["hidden_size"] / KIMI_MINI_TEXT["kv_lora_rank"]})
 
 
 # ------------------------------------------------------------------------------------------------------ tokenizer
@@ -166,7 +175,9 @@ def new_model(text: dict[str, Any], seed: int = 0):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(seed)
-    fields = {k: v for k, v in text.items() if k not in ("model_type", "architectures", "torch_dtype")}
+    # a deep copy: DeepseekV3Config adds rope_theta / rope_type into the rope_scaling dict it is given (which would
+    # then be written into config.json, unlike Kimi-K2.5's)
+    fields = {k: copy.deepcopy(v) for k, v in text.items() if k not in ("model_type", "architectures", "torch_dtype")}
     return DeepseekV3ForCausalLM(DeepseekV3Config(**fields)).float()
 
 
@@ -417,6 +428,9 @@ def write_model_card(out: Path, settings: KimiMiniSettings, history: dict, evalu
         f" This phase went on training an earlier build from its shipped weights (its record: `continued_from` in "
         f"training.json): {history['total_steps']} steps and {history['wall_seconds_all_phases'] / 60:.1f} minutes "
         f"in all.")
+    lr_scale = ""
+    if settings.lr_scale:  # the MLA expansions' lr (KimiMiniSettings says why)
+        lr_scale = f" ({', '.join(f'`{k}` x{v:g}' for k, v in settings.lr_scale.items())}: hidden / fan-in)"
     sample_md = "\n\n".join(f"**Prompt:** {q}\n\n```text\n{a}\n```" for q, a in samples)
     curve = ", ".join(f"{s}: {v:.2f}" for s, v in history["loss_curve"][:: max(1, len(history["loss_curve"]) // 10)])
     (out / "README.md").write_text(f"""# kimi-mini
@@ -449,7 +463,7 @@ The bundled byte-level BPE (vocab 8192) plus Kimi's special tokens {", ".join(f"
 
 ## Training
 {'From scratch' if 'total_steps' not in history else 'Last phase'} on CPU, seed {settings.seed}, {settings.threads} threads: AdamW (betas {settings.betas}, weight decay
-{settings.weight_decay} on matrices), peak lr {settings.lr}, {settings.warmup_steps} warmup steps then cosine to
+{settings.weight_decay} on matrices), peak lr {settings.lr}{lr_scale}, {settings.warmup_steps} warmup steps then cosine to
 {settings.lr * settings.min_lr_ratio:g}, {settings.steps} steps of {settings.batch_size} x {settings.seq_len}-token
 sequences packed from the {history["train_tokens"]:,} training tokens. Wall time {history["wall_seconds"] / 60:.1f} minutes.{phases}
 

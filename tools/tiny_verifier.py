@@ -536,6 +536,8 @@ class TrainSettings:
     log_every: int = 10
     bf16_autocast: bool = False  # matmuls in bf16 (weights and AdamW float32): 1.5x faster where the CPU has native
     # bf16 (kimi-mini's step on this project's AVX512-BF16 EPYC: 2.7 s against 4.2 s), far slower where it has not
+    lr_scale: dict[str, float] = field(default_factory=dict)  # parameter-name substring -> multiplier of the lr
+    # (the first match counts); none for the tiny Llama
 
 
 def model_config(tokenizer, vocab_size: int = VOCAB_SIZE):
@@ -613,10 +615,14 @@ def train_causal_lm(model, train_docs: Sequence[list[int]], settings: TrainSetti
 
     torch.set_num_threads(settings.threads)
     torch.manual_seed(settings.seed)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and p.requires_grad]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 and p.requires_grad]
+    groups: dict[tuple[bool, float], list] = {}  # (decayed, lr multiplier) -> parameters
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            scale = next((v for k, v in settings.lr_scale.items() if k in name), 1.0)
+            groups.setdefault((p.ndim >= 2, scale), []).append(p)
     optim = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        [{"params": ps, "weight_decay": settings.weight_decay if decayed else 0.0, "lr_scale": scale}
+         for (decayed, scale), ps in groups.items()],
         lr=settings.lr,
         betas=settings.betas,
     )
@@ -630,7 +636,7 @@ def train_causal_lm(model, train_docs: Sequence[list[int]], settings: TrainSetti
     for step in range(settings.steps):
         batch = next(batches)  # [batch, seq_len]
         for group in optim.param_groups:
-            group["lr"] = _lr_at(step, settings)
+            group["lr"] = _lr_at(step, settings) * group["lr_scale"]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16_autocast):
             loss = model(input_ids=batch, labels=batch).loss  # labels are shifted inside the model
         optim.zero_grad(set_to_none=True)
