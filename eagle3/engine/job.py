@@ -26,6 +26,7 @@ from eagle3.support.gpu import is_oom_text
 from eagle3.support.io import atomic_write_json
 from eagle3.support.paths import REPO_ROOT, vllm_python, vllm_subprocess_env
 from eagle3.support.subproc import SubprocessFailed, SubprocessResult, run_subprocess
+from eagle3.support.verifier import VerifierSpec
 
 log = logging.getLogger("eagle3")
 
@@ -82,7 +83,9 @@ def run_engine_job(engine: EngineSettings, module: str, job: dict[str, Any], job
     from eagle3.support.follow import following
 
     python = vllm_python(engine.vllm_python)
-    job_file = atomic_write_json(job_file, {**job, "engine": engine.llm_kwargs(on_gpu())})
+    verifier = Path(job.get("verifier") or "")
+    mla = (verifier / "config.json").is_file() and VerifierSpec.from_path(verifier).mla  # the CPU MLA backend pin
+    job_file = atomic_write_json(job_file, {**job, "engine": engine.llm_kwargs(on_gpu(), mla=mla)})
     log_file = Path(log_file)
     limit = engine.timeout_s if timeout_s is None else timeout_s
     log.info("vLLM engine job: %s -m %s %s (tensor_parallel_size %d%s); its whole output: %s", python, module,

@@ -19,6 +19,11 @@ from eagle3.support.settings import RUNTIME
 # free (vllm/v1/worker/cpu_worker.py); its KV cache is VLLM_CPU_KVCACHE_SPACE GiB (eagle3.support.paths sets 1).
 # A quarter of the host is what a CPU engine asks for, so a busy host or several engines do not fail at start.
 CPU_MEMORY_FRACTION = 0.25
+# An MLA verifier (DeepseekV3 / Kimi-K2.5) on a CPU: vLLM's CPU build picks its AMX_MLA kernel wherever the CPU has AMX
+# tiles (Intel Xeon 4th gen on), and that kernel takes bf16 / fp16 / int8 weights only: a float32 engine fails at load
+# ("expect weight to be bfloat16, float16, int8, ..."). CPU_MLA serves every dtype on every x86 CPU, so extraction and
+# validation compute the same features on any machine (every CPU figure of the kimi-mini preset was taken with it).
+CPU_MLA_BACKEND = "CPU_MLA"
 
 
 class EngineSettings(BaseModel):
@@ -43,10 +48,12 @@ class EngineSettings(BaseModel):
     timeout_s: float = Field(0.0, ge=0.0, description="Kill an engine job (its whole process group) after this many "
                              "seconds, engine start included; 0 = no limit.", json_schema_extra=RUNTIME)
 
-    def llm_kwargs(self, on_gpu: bool) -> dict[str, Any]:
-        """The ``vllm.LLM`` arguments these settings fix (a driver adds its own: model, dtype, lengths, ...)."""
+    def llm_kwargs(self, on_gpu: bool, mla: bool = False) -> dict[str, Any]:
+        """The ``vllm.LLM`` arguments these settings fix (a driver adds its own: model, dtype, lengths, ...);
+        ``mla``: the verifier uses MLA attention (on a CPU its attention backend is then pinned, CPU_MLA_BACKEND)."""
         tp = self.tensor_parallel_size
         return {
+            **({"attention_backend": CPU_MLA_BACKEND} if mla and not on_gpu else {}),
             "tensor_parallel_size": tp,
             "gpu_memory_utilization": self.gpu_memory_utilization if on_gpu else CPU_MEMORY_FRACTION,
             "enforce_eager": self.enforce_eager,
