@@ -77,10 +77,6 @@ def test_tokenizer_has_kimis_chat_and_media_tokens_and_masks_assistant_turns(shi
     assert tok.decode(masked) == "The path separator.<|im_end|>"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known gap: the shipped kimi-mini (1,900 steps, held-out perplexity 187) has 8 distinct answers of 8 and no "
-    "single-token runs, but 16-21 distinct tokens per 64-token answer (gate: >= 20); models/kimi-mini/README.md. "
-    "strict: remove this mark once a rebuild passes"))
 def test_quality_gate_varied_greedy_answers_that_depend_on_the_question(shipped, one_torch_thread):
     from transformers import AutoTokenizer
 
@@ -103,3 +99,34 @@ def test_builder_writes_other_kimi_shapes_in_the_same_layout(tmp_path):
     wmap = weight_map(out)
     assert set(written) == {k for k in wmap if k.startswith("language_model.")}
     assert "language_model.model.layers.8.mlp.experts.5.down_proj.weight" in written
+
+
+def test_training_scales_the_lr_of_the_mla_expansions_by_hidden_over_fan_in(one_torch_thread):
+    """kimi-mini's recipe: q_b_proj and kv_b_proj (fan-in 1536 / 512 at hidden 192) train at hidden / fan_in times the
+    lr; the shared loop applies a name's multiplier to that parameter alone (a multiplier of 0 freezes it)."""
+    from tools.tiny_verifier import train_causal_lm
+
+    assert kimi_mini.KimiMiniSettings().lr_scale == {"q_b_proj": 192 / 1536, "kv_b_proj": 192 / 512}
+    model = kimi_mini.new_model(kimi_mini.text_config(**KIMI_SHAPED_SMALL), seed=0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    docs = [[(7 * i + j) % 8000 for j in range(40)] for i in range(8)]
+    settings = kimi_mini.KimiMiniSettings(steps=2, batch_size=2, seq_len=32, warmup_steps=1, log_every=1,
+                                          threads=1, lr_scale={"q_b_proj": 0.0})
+    train_causal_lm(model, docs, settings, log=lambda _: None)
+    after = dict(model.named_parameters())
+    frozen = [n for n in before if "q_b_proj" in n]
+    assert frozen and all(torch.equal(before[n], after[n]) for n in frozen)
+    assert not torch.equal(before["model.layers.0.self_attn.kv_b_proj.weight"],
+                           after["model.layers.0.self_attn.kv_b_proj.weight"])
+
+
+def test_engines_pin_vllms_cpu_mla_backend_for_an_mla_verifier_on_a_cpu(shipped):
+    """vLLM's CPU build would pick its AMX MLA kernel on CPUs with AMX tiles, which refuses float32 weights: every
+    engine job of an MLA verifier on a CPU asks for CPU_MLA (the pin is read from the job's verifier)."""
+    from eagle3.engine.settings import CPU_MLA_BACKEND, EngineSettings
+
+    engine = EngineSettings()
+    assert VerifierSpec.from_path(shipped).mla and CPU_MLA_BACKEND == "CPU_MLA"
+    assert engine.llm_kwargs(on_gpu=False, mla=True)["attention_backend"] == CPU_MLA_BACKEND
+    assert "attention_backend" not in engine.llm_kwargs(on_gpu=True, mla=True)  # GPUs: vLLM's own choice
+    assert "attention_backend" not in engine.llm_kwargs(on_gpu=False, mla=False)

@@ -23,6 +23,7 @@ CPU_MEMORY_FRACTION = 0.25
 # tiles (Intel Xeon 4th gen on), and that kernel takes bf16 / fp16 / int8 weights only: a float32 engine fails at load
 # ("expect weight to be bfloat16, float16, int8, ..."). CPU_MLA serves every dtype on every x86 CPU, so extraction and
 # validation compute the same features on any machine (every CPU figure of the kimi-mini preset was taken with it).
+# Validation hands the same pin to the MLA draft (eagle3.validate.vllm_check: vLLM auto-selects a draft's backend).
 CPU_MLA_BACKEND = "CPU_MLA"
 
 

@@ -170,6 +170,9 @@ def _engine(args: dict[str, Any], draft: str | None):
     if draft is not None:
         engine_args["speculative_config"] = {"method": "eagle3", "model": draft, "num_speculative_tokens": k,
                                              **(args.get("speculative_config_extra") or {})}
+        if "attention_backend" in args["engine"]:  # the CPU MLA pin: vLLM never hands the verifier's backend to
+            # the draft (it auto-selects, AMX_MLA on AMX CPUs); beside an MLA verifier on a CPU the draft is MLA too
+            engine_args["speculative_config"].setdefault("attention_backend", args["engine"]["attention_backend"])
     _log(f"starting engine ({f'draft {draft}' if draft else 'no speculation'}); LD_PRELOAD="
          f"{os.environ.get('LD_PRELOAD', '')!r}, load {_load()}")
     t0 = time.monotonic()
