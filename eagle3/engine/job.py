@@ -83,8 +83,8 @@ def run_engine_job(engine: EngineSettings, module: str, job: dict[str, Any], job
     from eagle3.support.follow import following
 
     python = vllm_python(engine.vllm_python)
-    verifier = Path(job.get("verifier") or "")
-    mla = (verifier / "config.json").is_file() and VerifierSpec.from_path(verifier).mla  # the CPU MLA backend pin
+    verifier = job.get("verifier")  # a job without a local verifier folder gets no CPU MLA backend pin
+    mla = bool(verifier) and (Path(verifier) / "config.json").is_file() and VerifierSpec.from_path(verifier).mla
     job_file = atomic_write_json(job_file, {**job, "engine": engine.llm_kwargs(on_gpu(), mla=mla)})
     log_file = Path(log_file)
     limit = engine.timeout_s if timeout_s is None else timeout_s
