@@ -10,8 +10,9 @@ speculators' offline format (a ``datasets`` folder with input_ids / loss_mask / 
 ``hidden_states/hs_<i>.safetensors`` holding [T, n_aux + 1, H] states, the last one the final state, plus token_ids).
 Everything else is each tool's own recipe: ours the smollm2 preset's train section, speculators its defaults for
 eagle3 (norm_before_fc, norm_output, norm_before_residual, Muon + AdamW at lr 1e-3, linear schedule, equal TTT step
-weights, bf16 autocast); both unroll 3 TTT steps and see 4096 tokens per optimizer step (8 x 512 packed rows;
-speculators --total-seq-len 4096). Speculators runs on CPU through bench/speculators_cpu.py (runtime patches, its own
+weights, bf16 autocast); both unroll 3 TTT steps and see the same tokens per optimizer step (the preset's
+train.batch_size packed rows x max_seq_len tokens, given to speculators as --total-seq-len; speculators' own default
+is 8192). Speculators runs on CPU through bench/speculators_cpu.py (runtime patches, its own
 venv) with the two settings a CPU needs: --draft-attn-impl sdpa (its default FlexAttention has no backward on a CPU)
 and --loss-implementation eager (its fused losses need Triton).
 
@@ -20,7 +21,8 @@ training process (/usr/bin/time's maximum RSS), and vLLM's mean acceptance lengt
 split's first ``--prompts`` user turns, never trained on; 3 draft tokens, 64 new tokens, temperature 0); then the
 ratios ours / speculators. ``--equal-wall-clock`` adds a second round where the faster tool gets as many more epochs
 (rounded down, at least the same) as fit in the slower tool's wall time of the first round, so both train for about
-the same minutes. One training or one vLLM engine at a time.
+the same minutes; the slower tool's first-round draft stands in that round too (same settings, same run). One training
+or one vLLM engine at a time.
 """
 
 from __future__ import annotations
@@ -129,13 +131,22 @@ def train_ours(store: Path, mapping: Path, samples: int, epochs: int, out: Path)
             "steps": res["global_step"], "epochs": epochs, "note": f"best epoch {res['best_epoch']} of {epochs}"}
 
 
+def tokens_per_step() -> int:
+    """Our smollm2 preset's tokens per optimizer step (packed rows x row length): speculators gets the same."""
+    from eagle3.config import load_config
+
+    cfg = load_config("smollm2").train_config()
+    return cfg.batch_size * cfg.max_seq_len
+
+
 def train_speculators(python: str, data: Path, samples: int, epochs: int, out: Path) -> dict:
     from tools.gguf_convert import SMOLLM2_DIR
 
     cmd = [python, str(REPO / "bench" / "speculators_cpu.py"),
            "--verifier-name-or-path", str(SMOLLM2_DIR), "--data-path", str(data), "--speculator-type", "eagle3",
            "--target-layer-ids", "2", "15", "27", "--d2t-path", str(data / "d2t.npy"), "--t2d-path",
-           str(data / "t2d.npy"), "--draft-vocab-size", "8192", "--epochs", str(epochs), "--total-seq-len", "4096",
+           str(data / "t2d.npy"), "--draft-vocab-size", "8192", "--epochs", str(epochs),
+           "--total-seq-len", str(tokens_per_step()),
            "--train-data-ratio", "0.95", "--num-workers", "1", "--prefetch-factor", "2", "--ttt-steps", "3",
            "--save-path", str(out / "checkpoints"), "--log-dir", str(out / "logs"), "--no-resume-from-checkpoint",
            # on a CPU: FlexAttention has no backward there, the fused losses need Triton (0.9 refuses both)
@@ -185,7 +196,8 @@ def main() -> None:
     store = stage_folder(run_dir, "extract-hidden-states", "store")
     mapping = stage_folder(run_dir, "build-vocab", "mapping.safetensors")
     out = Path(ns.out or tempfile.mkdtemp(prefix="speculators-side-by-side-")).resolve()
-    print(f"work folder {out}; store {store}; load at start {_load()}", flush=True)
+    print(f"work folder {out}; store {store}; {tokens_per_step()} tokens per optimizer step for both; load at start "
+          f"{_load()}", flush=True)
     data = out / "speculators-data"
     if not (data / "dataset_info.json").is_file():
         n = to_speculators_format(store, mapping, ns.samples, data)
@@ -197,6 +209,11 @@ def main() -> None:
     def one_round(name: str, epochs: dict[str, int]) -> None:
         rows = {}
         for tool in ("ours", "speculators"):
+            earlier = next((r[tool] for r in rounds.values() if r[tool]["epochs"] == epochs[tool]), None)
+            if earlier is not None:  # the same training again would give the same draft: reuse it, say so
+                rows[tool] = {**earlier, "note": earlier["note"] + " (the same run as the first round)"}
+                print(f"[{name}] {tool}: {epochs[tool]} epochs, as in the first round: reused", flush=True)
+                continue
             print(f"[{name}] training {tool} for {epochs[tool]} epochs (load {_load()})", flush=True)
             folder = out / name / tool
             if tool == "ours":
