@@ -3,7 +3,7 @@
     PYTHONPATH=. .venv/bin/python bench/fp8_store.py [--samples 300] [--epochs 4] [--prompts 64] [--max-new-tokens 96]
                                         [--seeds 0] [--work DIR]
 
-The pipeline's own stage functions, the ``smollm2`` preset's settings (aux layers [2, 15, 27] in vLLM's convention,
+The pipeline's own stage functions, the ``smollm2`` preset's settings when this was measured (aux layers [2, 15, 27] in vLLM's convention,
 draft vocab 8192, max_seq_len 768, lr 2e-3 cosine, batch 8 packed rows, 3 TTT steps), on the bundled stdlib-chat
 data's own responses (no regeneration: both drafts see the same data, which is all this comparison needs):
 prepare_data and build_vocab once; then per store dtype (bfloat16, float8_e4m3fn) extract_hidden_states (transformers
@@ -78,7 +78,7 @@ def remember(out_dir: Path, cfg, upstream: Artifact | None = None) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--samples", type=int, default=300, help="conversations (the smollm2 preset: 300)")
+    ap.add_argument("--samples", type=int, default=300, help="conversations (the smollm2 preset then: 300; now 600)")
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=64, help="held-out prompts for vLLM (the eval file has 65)")
     ap.add_argument("--max-new-tokens", type=int, default=96)

@@ -1,7 +1,7 @@
 """The training recipe on SmolLM2-135M-Instruct, one change at a time, each measured by real vLLM (issue 17).
 
     .venv/bin/python bench/recipe.py --runs-dir runs/recipe --run-name smollm2-all \\
-        --variant "baseline:" --variant "bs2:train.batch_size=2" --variant "bs2+lr4e-3:train.batch_size=2,train.lr=4e-3" \\
+        --variant "baseline:" --variant "bs8:train.batch_size=8" --variant "lr4e-3:train.lr=4e-3" \\
         [--prompts 65] [--set KEY=VALUE ...]
 
 Every variant is the smollm2 preset (prefect.yaml) plus the ``--set`` overrides common to all, plus its own

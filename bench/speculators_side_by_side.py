@@ -21,7 +21,7 @@ training process (/usr/bin/time's maximum RSS), and vLLM's mean acceptance lengt
 split's first ``--prompts`` user turns, never trained on; 3 draft tokens, 64 new tokens, temperature 0); then the
 ratios ours / speculators. ``--equal-wall-clock`` adds a second round where the faster tool gets as many more epochs
 (rounded down, at least the same) as fit in the slower tool's wall time of the first round, so both train for about
-the same minutes; the slower tool's first-round draft stands in that round too (same settings, same run). One training
+the same minutes; a tool whose epochs are the first round's keeps its first-round draft (same settings, same run). One training
 or one vLLM engine at a time.
 """
 
