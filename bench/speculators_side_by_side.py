@@ -19,10 +19,10 @@ and --loss-implementation eager (its fused losses need Triton).
 Measured for each: training wall time, trained tokens/s (real tokens x epochs / wall), peak resident memory of the
 training process (/usr/bin/time's maximum RSS), and vLLM's mean acceptance length on the held-out prompts (the eval
 split's first ``--prompts`` user turns, never trained on; 3 draft tokens, 64 new tokens, temperature 0); then the
-ratios ours / speculators. ``--equal-wall-clock`` adds a second round where the faster tool gets as many more epochs
-(rounded down, at least the same) as fit in the slower tool's wall time of the first round, so both train for about
-the same minutes; a tool whose epochs are the first round's keeps its first-round draft (same settings, same run). One training
-or one vLLM engine at a time.
+ratios ours / speculators. ``--equal-wall-clock`` adds a second round where the faster tool gets as many epochs as
+fit in the slower tool's first-round wall time (to the nearest epoch, at least the same: rounding down left 3 against
+3 when one tool took 1.3x as long), so both train for about the same minutes; a tool whose epochs are the first
+round's keeps its first-round draft (same settings, same run). One training or one vLLM engine at a time.
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ def main() -> None:
         r = rounds["equal-epochs"]
         slow = max(r, key=lambda t: r[t]["wall_s"])
         fast = min(r, key=lambda t: r[t]["wall_s"])
-        more = max(ns.epochs, int(ns.epochs * r[slow]["wall_s"] / r[fast]["wall_s"]))
+        more = max(ns.epochs, round(ns.epochs * r[slow]["wall_s"] / r[fast]["wall_s"]))
         one_round("equal-wall-clock", {slow: ns.epochs, fast: more})
 
     print(f"\n{ns.samples} samples ({token_count:,} tokens), held-out prompts {ns.prompts}; load at the end {_load()}")
