@@ -3,9 +3,10 @@
     PYTHONPATH=. .venv/bin/python bench/fp8_store.py [--samples 300] [--epochs 4] [--prompts 64] [--max-new-tokens 96]
                                         [--seeds 0] [--work DIR]
 
-The pipeline's own stage functions, the ``smollm2`` preset's settings when this was measured (aux layers [2, 15, 27] in vLLM's convention,
-draft vocab 8192, max_seq_len 768, lr 2e-3 cosine, batch 8 packed rows, 3 TTT steps), on the bundled stdlib-chat
-data's own responses (no regeneration: both drafts see the same data, which is all this comparison needs):
+The pipeline's own stage functions, the ``smollm2`` preset's settings when this was measured (aux layers [2, 15, 27]
+in vLLM's convention, draft vocab 8192, max_seq_len 768, lr 2e-3 cosine, batch 8 packed rows, 3 TTT steps), on the
+bundled stdlib-chat data's own responses (no regeneration: both drafts see the same data, which is all this
+comparison needs):
 prepare_data and build_vocab once; then per store dtype (bfloat16, float8_e4m3fn) extract_hidden_states (transformers
 backend, same compute dtype, so both stores quantize the same states), train_draft with the same settings and seed,
 and validate_draft in real vLLM (.venv-vllm, float32, greedy, num_speculative_tokens 3) on the same held-out
