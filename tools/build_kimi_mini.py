@@ -1,7 +1,8 @@
 """Rebuild models/kimi-mini/ from scratch: Kimi-K2.5's text architecture and layout, trained on the bundled chats.
 
     python tools/build_kimi_mini.py --bf16      # 45 minutes on 2 cores (0.37 steps/s; Intel Xeon with AMX, alone)
-    python tools/build_kimi_mini.py             # float32 where the CPU has no native bf16 (~1.5x slower a step; the shipped build is --bf16)
+    python tools/build_kimi_mini.py             # float32, for CPUs without native bf16 (~1.5x slower a step;
+                                                # the shipped build is --bf16)
     python tools/build_kimi_mini.py --steps 20  # a smoke build (fails its quality gate)
     python tools/build_kimi_mini.py --continue-from models/kimi-mini --steps 400 --lr 5e-4 --bf16  # train on
 
