@@ -247,6 +247,42 @@ def test_cpu_bf16_autocast_trains_close_to_float32_and_max_samples_limits_the_da
     assert int(split[1]) + int(split[2]) == 10
 
 
+def test_muon_updates_the_matrices_resumes_exactly_and_learns(random_store, tiny_llama_verifier, tmp_path):
+    """train.optimizer muon: torch's Muon over the draft's weight matrices, AdamW over norms and lm_head (both in the
+    resume state, Muon's lr scaled); stopped and resumed it writes the uninterrupted run's records and weights."""
+    from eagle3.train.optim import build_optimizers, set_lr
+
+    store, vocab = random_store
+    cfg = TrainConfig(epochs=2, optimizer="muon", muon_lr_scale=2.0, **TINY)  # 4 steps per epoch
+    model = torch.nn.Module()
+    model.fc = torch.nn.Linear(6, 4, bias=False)
+    model.norm = torch.nn.Module()
+    model.norm.weight = torch.nn.Parameter(torch.ones(4))
+    model.lm_head = torch.nn.Linear(4, 5, bias=False)
+    model.embed_tokens = torch.nn.Embedding(5, 4).requires_grad_(False)
+    muon, adamw = build_optimizers(model, cfg)
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    assert [p for g in muon.param_groups for p in g["params"]] == [model.fc.weight]
+    assert [p for g in adamw.param_groups for p in g["params"]] == [model.norm.weight, model.lm_head.weight]
+    set_lr([muon, adamw], 1e-3)
+    assert muon.param_groups[0]["lr"] == 2e-3 and adamw.param_groups[0]["lr"] == 1e-3
+
+    full = train_draft(cfg, store, vocab, tmp_path / "full", verifier=tiny_llama_verifier)
+    part = train_draft(cfg.model_copy(update={"stop_after_steps": 5}), store, vocab, tmp_path / "resumed",
+                       verifier=tiny_llama_verifier)
+    assert part.stopped_early and part.global_step == 5
+    state = ckpt.load_trainer_state(tmp_path / "resumed" / "latest")
+    moments = state["optimizer"]["state"]
+    assert set(moments["midlayer.self_attn.q_proj.weight"]) == {"momentum_buffer"}
+    assert {"exp_avg", "exp_avg_sq"} <= set(moments["lm_head.weight"])
+    resumed = train_draft(cfg, store, vocab, tmp_path / "resumed", verifier=tiny_llama_verifier)
+    assert resumed.global_step == full.global_step == 8
+    assert _records(tmp_path / "resumed") == _records(tmp_path / "full")
+    assert resumed.weights_sha256 == full.weights_sha256
+    losses = [r["loss"] for r in _metrics(tmp_path / "full") if r["event"] == "train"]
+    assert losses[-1] < 0.8 * losses[0]
+
+
 WALL_CLOCK = ("tokens_per_s",)  # the only wall-clock field of a metrics record
 
 

@@ -58,6 +58,34 @@ def test_parameter_counts_equal_the_draft_module(verifiers, arch):
     assert frozen == draft.embed_tokens.weight.numel() == cfg.vocab_size * cfg.hidden_size
 
 
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_optimizer_states_equal_the_plan(verifiers, arch):
+    """AdamW's two moments per trainable parameter, or with optimizer muon Muon's one momentum buffer per weight
+    matrix and AdamW's two for the rest (norms, lm_head): the plan's items equal the states after one step."""
+    from eagle3.train.optim import build_optimizers
+
+    verifier, draft_arch = ARCHS[arch]
+    cfg = DraftConfig.build(VerifierSpec.from_path(verifiers[verifier]), 100, [1, 2, 3], draft_arch)
+    draft = Eagle3Draft(cfg)
+    for name in ("adamw", "muon"):
+        train = TrainConfig(optimizer=name, **TINY)
+        opts = build_optimizers(draft, train)
+        for p in draft.parameters():
+            p.grad = torch.ones_like(p) if p.requires_grad else None
+        for opt in opts:
+            opt.step()
+        kept: dict[str, int] = {}
+        for opt in opts:
+            for state in opt.state.values():
+                for key, value in state.items():
+                    if torch.is_tensor(value) and value.ndim > 0:
+                        kind = "Muon momentum" if key == "momentum_buffer" else "AdamW states"
+                        kept[kind] = kept.get(kind, 0) + value.numel() * value.element_size()
+        items = {i.name: i.bytes for i in plan_training_memory(cfg, train, device="cpu").items}
+        assert {k: items[k] for k in kept} == kept
+        assert ("Muon momentum" in items) == (name == "muon")
+
+
 @pytest.mark.parametrize(("rows", "tokens", "steps", "arch"), [
     (2, 96, 3, "llama-gqa"), (1, 150, 5, "llama-mha"), (3, 40, 1, "llama-gqa"), (2, 64, 3, "llama-3.1"),
     (2, 96, 3, "mla"), (1, 70, 1, "mla"), (2, 50, 4, "mla-no-q-latent")])

@@ -20,7 +20,8 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     epochs: int = Field(10, gt=0, description="Passes over the training split.")
-    lr: float = Field(1e-4, gt=0, description="Peak learning rate (AdamW), per optimizer step.")
+    lr: float = Field(1e-4, gt=0, description="Peak learning rate (AdamW; Muon: lr x muon_lr_scale), per optimizer "
+                      "step.")
     schedule: Literal["cosine", "constant"] = Field(
         "cosine", description="Learning-rate schedule after warmup: cosine decay to min_lr_ratio * lr, or constant.")
     warmup_ratio: float = Field(0.015, ge=0, lt=1, description="Linear warmup length as a fraction of all "
@@ -29,6 +30,17 @@ class TrainConfig(BaseModel):
                                 "of lr.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay (per step, times lr).")
     adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2).")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="'adamw': AdamW over every trainable parameter. 'muon': torch.optim.Muon over the "
+        "draft's 2D weight matrices (fc, attention, MLP) and AdamW (lr, adam_betas, weight_decay) over norms and the "
+        "draft lm_head, the split of speculators' default optimizer (eagle3.train.optim). Muon's state is one "
+        "momentum buffer per matrix instead of AdamW's two.")
+    muon_lr_scale: float = Field(1.0, gt=0, description="optimizer 'muon': Muon's peak learning rate as a multiple "
+                                 "of lr (same warmup and schedule), under torch's match_rms_adamw adjustment "
+                                 "(update RMS 0.2 x its lr, AdamW-like); speculators 0.9: 1e-3 on both.")
+    muon_momentum: float = Field(0.95, ge=0, lt=1, description="optimizer 'muon': Muon's (Nesterov) momentum.")
+    muon_weight_decay: float = Field(0.1, ge=0, description="optimizer 'muon': Muon's decoupled weight decay "
+                                     "(per step, times its lr).")
     max_grad_norm: float = Field(0.5, gt=0, description="Gradient clipping: max global L2 norm.")
     batch_size: int = Field(8, gt=0, description="Packed sequences per optimizer step, over all processes and "
                             "accumulation micro-steps (the global batch). Must be a multiple of "

@@ -14,7 +14,8 @@ nh / KV heads nkv of head_dim hd; c = compute bytes (2: bf16 autocast on CUDA, 4
     parameters     trainable (fc, midlayer, norm, lm_head) + frozen embedding (vocab x H), float32; buffers
                    d2t / t2d; the teacher head (final norm + D lm_head rows, float32)
     gradients      trainable, float32; DDP (nproc > 1) keeps a bucket copy of them (gradient_as_bucket_view off)
-    AdamW          exp_avg + exp_avg_sq, float32 (2 x trainable), and one trainable-sized temporary in step()
+    AdamW          exp_avg + exp_avg_sq, float32 (2 x trainable), and one trainable-sized temporary in step();
+                   optimizer "muon": one momentum buffer for the weight matrices, AdamW's two for the rest
     FSDP           parameters, gradients and AdamW states / nproc, plus the unsharded parameters gathered for
                    compute (all groups at once, worst case) and one group's unsharded gradients before reduce-scatter
     activations    what autograd keeps until backward, per TTT step k (context S_k = (k + 1) T):
@@ -40,8 +41,8 @@ nh / KV heads nkv of head_dim hd; c = compute bytes (2: bf16 autocast on CUDA, 4
     batch          the micro-batch on the device: aux [N, n_aux H_t] + final [N, H] in the batch dtype, ids/masks;
                    on CPU the whole optimizer step's micro-batches plus the loader's prefetch (2 steps per thread)
 
-    peak = parameters + buffers + teacher head + AdamW states + gradients (+ DDP buckets)
-           + max(activations + batch, AdamW step temporary)
+    peak = parameters + buffers + teacher head + optimizer states + gradients (+ DDP buckets)
+           + max(activations + batch, optimizer step temporary)
 
 Not counted: the CUDA context and allocator slack (the margin covers them), the Python/torch runtime of each process
 (~0.3 GB RSS per training process on CPU), validation (no autograd: smaller than training).
@@ -96,7 +97,8 @@ class MemoryPlan(BaseModel):
     activation_bytes: int = Field(description="autograd-saved tensors + teacher buffers + last-step transients")
     activations: dict[str, int] = Field(description="activation_bytes by kind, bytes")
     batch_bytes: int = Field(description="input batches resident with the activations")
-    optimizer_step_bytes: int = Field(description="AdamW's temporary during step() (activations are freed then)")
+    optimizer_step_bytes: int = Field(description="the optimizer's temporary during step() (activations are freed "
+                                      "then)")
     peak_bytes: int = Field(description="static + max(activations + batch, optimizer step temporary)")
 
     def summary(self) -> str:
@@ -233,7 +235,14 @@ def plan_training_memory(draft: DraftConfig, cfg: TrainConfig, world: int | None
     items.append(("gradients", grads, "float32" + (f", sharded over {world}" if shard > 1 else "")))
     if parallel == "ddp":
         items.append(("DDP gradient buckets", F32 * trainable, "a copy of the gradients for the all-reduce"))
-    items.append(("AdamW states", 2 * grads, "exp_avg + exp_avg_sq, float32"))
+    if cfg.optimizer == "muon":  # eagle3.train.optim: Muon over fc / attention / MLP matrices, AdamW over the rest
+        latent_norms = ((draft.q_lora_rank or 0) + draft.kv_lora_rank) if draft.kind == "mla" else 0  # AdamW's
+        matrices = counts["fc"] + counts["attention"] - latent_norms + counts["mlp"]
+        items.append(("Muon momentum", math.ceil(F32 * matrices / shard), "one buffer per weight matrix, float32"))
+        items.append(("AdamW states", math.ceil(2 * F32 * (trainable - matrices) / shard),
+                      "exp_avg + exp_avg_sq of norms and lm_head, float32"))
+    else:
+        items.append(("AdamW states", 2 * grads, "exp_avg + exp_avg_sq, float32"))
     if parallel == "fsdp":
         items.append(("FSDP unsharded parameters", params, ("all-gathered for forward/backward (worst case: "
                       "every group at once)")))
@@ -274,8 +283,8 @@ def plan_training_memory(draft: DraftConfig, cfg: TrainConfig, world: int | None
     items.append(("batches", batch, f"{_gb(micro)} per micro-batch" + (
         "" if cuda else f" x {resident} (the step's {cfg.grad_accum_steps} + 2 steps prefetched per loader "
         f"thread, {cfg.loader_workers} threads)")))
-    step_tmp = grads  # AdamW's foreach sqrt(exp_avg_sq) temporary
-    items.append(("AdamW step temporary", step_tmp, "during optimizer.step(), after the activations are freed"))
+    step_tmp = grads  # AdamW's foreach sqrt(exp_avg_sq) temporary (Muon's per-matrix Newton-Schulz: less)
+    items.append(("optimizer step temporary", step_tmp, "during optimizer.step(), after the activations are freed"))
     peak = static + max(activations + batch, step_tmp)
     return MemoryPlan(device=device, parallel=parallel, processes=world, processes_per_host=min(world, cfg.nproc),
                       micro_batch_rows=b,

@@ -48,6 +48,7 @@ from eagle3.train.data import (
 from eagle3.train.dist import Dist
 from eagle3.train.memory import check_memory, free_device_memory, plan_training_memory
 from eagle3.train.metrics import METRICS, append_metrics, read_metrics, write_plots
+from eagle3.train.optim import build_optimizers, set_lr
 from eagle3.train.schedule import lr_at
 from eagle3.train.ttt import N_STATS, TrainingTimeTest, summarize
 from eagle3.vocab import load_mapping
@@ -133,8 +134,7 @@ class Trainer:
                                     cfg.step_weight_decay, self.autocast, loss=cfg.loss, lk_eta=cfg.lk_eta
                                     ).to(self.device)
         self.model = self._wrap(self.ttt)
-        params = [p for p in self.draft.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
+        self.optimizers = build_optimizers(self.draft, cfg)
         self.epoch, self.step_in_epoch, self.global_step, self.tokens_seen = 0, 0, 0, 0
         # [K, N_STATS] float64: TTT stats of the steps since the last train record (or the epoch start); part of
         # the resume state, so the first record after a resume covers the same steps as in an uninterrupted run
@@ -310,8 +310,7 @@ class Trainer:
         norm = (counted.clamp(min=1) / self.dist.world).float()
         lr = lr_at(self.global_step, self.total_steps, cfg.lr, round(cfg.warmup_ratio * self.total_steps), cfg.schedule,
                    cfg.min_lr_ratio)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizers, lr)
         stats = torch.zeros(cfg.ttt_steps, N_STATS, dtype=torch.float64, device=self.device)
         tokens = 0
         self.model.train()
@@ -327,8 +326,9 @@ class Trainer:
             stats += s
             tokens += batch.tokens
         torch.nn.utils.clip_grad_norm_([p for p in self.draft.parameters() if p.requires_grad], cfg.max_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        for opt in self.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         self.dist.all_reduce(stats)
         tok = self.dist.all_reduce(torch.tensor([tokens], dtype=torch.float64, device=self.device))
         self.lr = lr
@@ -389,7 +389,7 @@ class Trainer:
     def _optim_state(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        return get_optimizer_state_dict(self.draft, self.optimizer,
+        return get_optimizer_state_dict(self.draft, self.optimizers,
                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def _run_info(self, epoch: int, val: dict[str, Any] | None) -> dict[str, Any]:
@@ -461,7 +461,7 @@ class Trainer:
             raise TrainError(f"cannot resume from {self.latest_dir}: epochs changed {old.get('epochs')} -> "
                              f"{now['epochs']}, which changes the learning-rate schedule")
         set_model_state_dict(self.draft, state["model"], options=StateDictOptions(full_state_dict=True, strict=False))
-        set_optimizer_state_dict(self.draft, self.optimizer, state["optimizer"],
+        set_optimizer_state_dict(self.draft, self.optimizers, state["optimizer"],
                                  options=StateDictOptions(full_state_dict=True))
         p = state["progress"]
         self.epoch, self.step_in_epoch = int(p["epoch"]), int(p["step_in_epoch"])
