@@ -53,4 +53,4 @@ def set_lr(optimizers: Iterable[torch.optim.Optimizer], lr: float) -> None:
     """The schedule's learning rate of this step, times each param group's ``lr_scale``."""
     for opt in optimizers:
         for group in opt.param_groups:
-            group["lr"] = lr * group["lr_scale"]
+            group["lr"] = lr * group.get("lr_scale", 1.0)  # a resume state saved before lr_scale: AdamW
