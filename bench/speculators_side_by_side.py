@@ -1,14 +1,15 @@
 """Our draft training against speculators 0.9's, on the same data, side by side in one run (issue 17).
 
     .venv/bin/python bench/speculators_side_by_side.py --run-dir runs/recipe/smollm2-all [--samples 600] [--epochs 3]
-        [--prompts 65] [--out DIR] [--equal-wall-clock] [--speculators-python PYTHON]
+        [--prompts 65] [--out DIR] [--equal-wall-clock] [--speculators-python PYTHON] [--set KEY=VALUE ...]
 
 Same inputs for both: the hidden-state store and the draft vocabulary (d2t / t2d) of a finished pipeline run (its
 extract-hidden-states and build-vocab stages: SmolLM2's own regenerated answers, aux layers [2, 15, 27] in vLLM's
 convention, the final pre-norm state), its first ``--samples`` samples, the same epochs. The store is written out in
 speculators' offline format (a ``datasets`` folder with input_ids / loss_mask / seq_len and
 ``hidden_states/hs_<i>.safetensors`` holding [T, n_aux + 1, H] states, the last one the final state, plus token_ids).
-Everything else is each tool's own recipe: ours the smollm2 preset's train section, speculators its defaults for
+Everything else is each tool's own recipe: ours the smollm2 preset's train section (plus any ``--set`` overrides,
+e.g. ``--set train.optimizer=muon``), speculators its defaults for
 eagle3 (norm_before_fc, norm_output, norm_before_residual, Muon + AdamW at lr 1e-3, linear schedule, equal TTT step
 weights, bf16 autocast); both unroll 3 TTT steps and see the same tokens per optimizer step (the preset's
 train.batch_size packed rows x max_seq_len tokens, given to speculators as --total-seq-len; speculators' own default
@@ -108,12 +109,12 @@ def ours_side(ns: argparse.Namespace) -> None:
     """Our trainer in this process (run under /usr/bin/time by the orchestrator)."""
     import logging
 
-    from eagle3.config import load_config
+    from eagle3.config import load_config, parse_set
     from eagle3.train.stage import train_draft
     from tools.gguf_convert import SMOLLM2_DIR
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    cfg = load_config("smollm2", {"train.epochs": ns.epochs, "train.max_samples": ns.samples,
+    cfg = load_config("smollm2", {**parse_set(ns.set), "train.epochs": ns.epochs, "train.max_samples": ns.samples,
                                   "train.keep_last_n": 1}).train_config()
     ckpt = train_draft(cfg, ns.store, ns.mapping, ns.ours_out, verifier=SMOLLM2_DIR, resume=False)
     Path(ns.ours_out, "result.json").write_text(json.dumps({
@@ -121,9 +122,10 @@ def ours_side(ns: argparse.Namespace) -> None:
         "global_step": ckpt.global_step, "best_epoch": ckpt.best_epoch, "final_val": ckpt.final_val}))
 
 
-def train_ours(store: Path, mapping: Path, samples: int, epochs: int, out: Path) -> dict:
+def train_ours(store: Path, mapping: Path, samples: int, epochs: int, out: Path, overrides: list[str]) -> dict:
     cmd = [sys.executable, __file__, "--ours-side", "--store", str(store), "--mapping", str(mapping),
-           "--samples", str(samples), "--epochs", str(epochs), "--ours-out", str(out)]
+           "--samples", str(samples), "--epochs", str(epochs), "--ours-out", str(out),
+           *(f"--set={kv}" for kv in overrides)]
     out.mkdir(parents=True, exist_ok=True)
     r = timed(cmd, out / "train.log", env={**os.environ, "PYTHONPATH": str(REPO)})
     res = json.loads((out / "result.json").read_text())
@@ -131,22 +133,23 @@ def train_ours(store: Path, mapping: Path, samples: int, epochs: int, out: Path)
             "steps": res["global_step"], "epochs": epochs, "note": f"best epoch {res['best_epoch']} of {epochs}"}
 
 
-def tokens_per_step() -> int:
-    """Our smollm2 preset's tokens per optimizer step (packed rows x row length): speculators gets the same."""
-    from eagle3.config import load_config
+def tokens_per_step(overrides: list[str]) -> int:
+    """Our smollm2 preset's tokens per optimizer step (packed rows x row length, after ``--set``): speculators gets
+    the same."""
+    from eagle3.config import load_config, parse_set
 
-    cfg = load_config("smollm2").train_config()
+    cfg = load_config("smollm2", parse_set(overrides)).train_config()
     return cfg.batch_size * cfg.max_seq_len
 
 
-def train_speculators(python: str, data: Path, samples: int, epochs: int, out: Path) -> dict:
+def train_speculators(python: str, data: Path, samples: int, epochs: int, out: Path, step_tokens: int) -> dict:
     from tools.gguf_convert import SMOLLM2_DIR
 
     cmd = [python, str(REPO / "bench" / "speculators_cpu.py"),
            "--verifier-name-or-path", str(SMOLLM2_DIR), "--data-path", str(data), "--speculator-type", "eagle3",
            "--target-layer-ids", "2", "15", "27", "--d2t-path", str(data / "d2t.npy"), "--t2d-path",
            str(data / "t2d.npy"), "--draft-vocab-size", "8192", "--epochs", str(epochs),
-           "--total-seq-len", str(tokens_per_step()),
+           "--total-seq-len", str(step_tokens),
            "--train-data-ratio", "0.95", "--num-workers", "1", "--prefetch-factor", "2", "--ttt-steps", "3",
            "--save-path", str(out / "checkpoints"), "--log-dir", str(out / "logs"), "--no-resume-from-checkpoint",
            # on a CPU: FlexAttention has no backward there, the fused losses need Triton (0.9 refuses both)
@@ -185,6 +188,7 @@ def main() -> None:
     ap.add_argument("--out", help="work folder (default: a temporary one, kept)")
     ap.add_argument("--equal-wall-clock", action="store_true", help="a second round at about equal training minutes")
     ap.add_argument("--speculators-python", default=SPECULATORS_PYTHON)
+    ap.add_argument("--set", action="append", default=[], help="KEY=VALUE override of our preset (repeatable)")
     ap.add_argument("--ours-side", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--store", help=argparse.SUPPRESS)
     ap.add_argument("--mapping", help=argparse.SUPPRESS)
@@ -196,8 +200,8 @@ def main() -> None:
     store = stage_folder(run_dir, "extract-hidden-states", "store")
     mapping = stage_folder(run_dir, "build-vocab", "mapping.safetensors")
     out = Path(ns.out or tempfile.mkdtemp(prefix="speculators-side-by-side-")).resolve()
-    print(f"work folder {out}; store {store}; {tokens_per_step()} tokens per optimizer step for both; load at start "
-          f"{_load()}", flush=True)
+    print(f"work folder {out}; store {store}; {tokens_per_step(ns.set)} tokens per optimizer step for both; ours: "
+          f"the smollm2 preset{' with ' + ', '.join(ns.set) if ns.set else ''}; load at start {_load()}", flush=True)
     data = out / "speculators-data"
     if not (data / "dataset_info.json").is_file():
         n = to_speculators_format(store, mapping, ns.samples, data)
@@ -217,9 +221,10 @@ def main() -> None:
             print(f"[{name}] training {tool} for {epochs[tool]} epochs (load {_load()})", flush=True)
             folder = out / name / tool
             if tool == "ours":
-                r = train_ours(store, mapping, ns.samples, epochs[tool], folder)
+                r = train_ours(store, mapping, ns.samples, epochs[tool], folder, ns.set)
             else:
-                r = train_speculators(ns.speculators_python, data, ns.samples, epochs[tool], folder)
+                r = train_speculators(ns.speculators_python, data, ns.samples, epochs[tool], folder,
+                                      tokens_per_step(ns.set))
                 r["tokens"] = round(token_count * 0.95) * epochs[tool]  # its train split, every epoch
             r["tokens_per_s"] = r["tokens"] / r["wall_s"]
             print(f"[{name}] {tool}: {r['wall_s']:.0f} s, {r['tokens_per_s']:.0f} tok/s, peak RSS "

@@ -98,12 +98,12 @@ def test_resume_refuses_changed_settings(random_store, tiny_llama_verifier, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_gloo_processes_equal_one(random_store, tiny_llama_verifier, tmp_path, parallel):
+@pytest.mark.parametrize(("parallel", "optimizer"), [("ddp", "adamw"), ("fsdp", "adamw"), ("fsdp", "muon")])
+def test_two_gloo_processes_equal_one(random_store, tiny_llama_verifier, tmp_path, parallel, optimizer):
     """torchrun with 2 CPU processes (gloo), the same global batch (2 packed rows = 1 per process, or 2 x 2
-    accumulation micro-batches) gives the same losses as one process."""
+    accumulation micro-batches) gives the same losses as one process; Muon too, over FSDP's sharded matrices."""
     store, vocab = random_store
-    cfg = TrainConfig(epochs=2, keep_last_n=0, **{**TINY, "batch_size": 4})
+    cfg = TrainConfig(epochs=2, keep_last_n=0, optimizer=optimizer, **{**TINY, "batch_size": 4})
     train_draft(cfg.model_copy(update={"grad_accum_steps": 2}), store, vocab, tmp_path / "one", verifier=tiny_llama_verifier)
     two = train_draft(cfg.model_copy(update={"nproc": 2, "parallel": parallel}), store, vocab,
                       tmp_path / "two", verifier=tiny_llama_verifier)
