@@ -98,10 +98,10 @@ def test_resume_refuses_changed_settings(random_store, tiny_llama_verifier, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("parallel", "optimizer"), [("ddp", "adamw"), ("fsdp", "adamw"), ("fsdp", "muon")])
+@pytest.mark.parametrize(("parallel", "optimizer"), [("ddp", "adamw"), ("fsdp", "adamw"), ("ddp", "muon")])
 def test_two_gloo_processes_equal_one(random_store, tiny_llama_verifier, tmp_path, parallel, optimizer):
     """torchrun with 2 CPU processes (gloo), the same global batch (2 packed rows = 1 per process, or 2 x 2
-    accumulation micro-batches) gives the same losses as one process; Muon too, over FSDP's sharded matrices."""
+    accumulation micro-batches) gives the same losses as one process; Muon too under DDP (FSDP + Muon is refused)."""
     store, vocab = random_store
     cfg = TrainConfig(epochs=2, keep_last_n=0, optimizer=optimizer, **{**TINY, "batch_size": 4})
     train_draft(cfg.model_copy(update={"grad_accum_steps": 2}), store, vocab, tmp_path / "one", verifier=tiny_llama_verifier)
@@ -113,7 +113,8 @@ def test_two_gloo_processes_equal_one(random_store, tiny_llama_verifier, tmp_pat
     _assert_same_metrics(_metrics(tmp_path / "one"), _metrics(tmp_path / "two"), tol=1e-5)
     a = load_file(str(tmp_path / "one/checkpoints/epoch-002/model.safetensors"))
     b = load_file(str(tmp_path / "two/checkpoints/epoch-002/model.safetensors"))
-    assert all(torch.allclose(a[k].float(), b[k].float(), atol=1e-5) for k in a)
+    diff = {k: (a[k].float() - b[k].float()).abs().max().item() for k in a}
+    assert all(v <= 1e-5 for v in diff.values()), diff
 
 
 @pytest.mark.slow
@@ -266,6 +267,8 @@ def test_muon_updates_the_matrices_resumes_exactly_and_learns(random_store, tiny
     assert [p for g in adamw.param_groups for p in g["params"]] == [model.norm.weight, model.lm_head.weight]
     set_lr([muon, adamw], 1e-3)
     assert muon.param_groups[0]["lr"] == 2e-3 and adamw.param_groups[0]["lr"] == 1e-3
+    with pytest.raises(ValueError, match="optimizer 'muon' with parallel 'fsdp'"):
+        TrainConfig(**{**cfg.model_dump(), "parallel": "fsdp"})
 
     full = train_draft(cfg, store, vocab, tmp_path / "full", verifier=tiny_llama_verifier)
     part = train_draft(cfg.model_copy(update={"stop_after_steps": 5}), store, vocab, tmp_path / "resumed",
