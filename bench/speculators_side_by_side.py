@@ -188,7 +188,8 @@ def main() -> None:
     ap.add_argument("--out", help="work folder (default: a temporary one, kept)")
     ap.add_argument("--equal-wall-clock", action="store_true", help="a second round at about equal training minutes")
     ap.add_argument("--speculators-python", default=SPECULATORS_PYTHON)
-    ap.add_argument("--set", action="append", default=[], help="KEY=VALUE override of our preset (repeatable)")
+    ap.add_argument("--set", action="append", default=[], help="KEY=VALUE override of our preset (repeatable); "
+                    "--epochs and --samples set train.epochs and train.max_samples over it")
     ap.add_argument("--ours-side", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--store", help=argparse.SUPPRESS)
     ap.add_argument("--mapping", help=argparse.SUPPRESS)

@@ -267,6 +267,10 @@ def test_muon_updates_the_matrices_resumes_exactly_and_learns(random_store, tiny
     assert [p for g in adamw.param_groups for p in g["params"]] == [model.norm.weight, model.lm_head.weight]
     set_lr([muon, adamw], 1e-3)
     assert muon.param_groups[0]["lr"] == 2e-3 and adamw.param_groups[0]["lr"] == 1e-3
+    legacy = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=1.0)  # a resume state before lr_scale
+    legacy.param_groups[0].pop("lr_scale", None)
+    set_lr([legacy], 1e-3)
+    assert legacy.param_groups[0]["lr"] == 1e-3
     with pytest.raises(ValueError, match="optimizer 'muon' with parallel 'fsdp'"):
         TrainConfig(**{**cfg.model_dump(), "parallel": "fsdp"})
 

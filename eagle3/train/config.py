@@ -74,7 +74,8 @@ class TrainConfig(BaseModel):
     save_state_every_minutes: float = Field(10.0, ge=0, description="Also write the resume state inside an epoch "
                                             "once this many minutes of training have passed since the last save, "
                                             "so a kill loses minutes, not an epoch (0 = off). One save writes the "
-                                            "fp32 weights and Adam moments: 12 bytes per trainable parameter; its "
+                                            "fp32 weights and optimizer moments: 12 bytes per trainable parameter "
+                                            "with AdamW (8 for Muon's matrices); its "
                                             "time is logged (docs/DESIGN.md, 'Resume').",
         json_schema_extra=RUNTIME)
     stop_after_steps: int | None = Field(None, gt=0, description="End this invocation once the run has made this "
@@ -139,7 +140,7 @@ class TrainConfig(BaseModel):
                                 "on demand in the training loop).",
         json_schema_extra=RUNTIME)
     on_insufficient_memory: Literal["fail", "warn"] = Field(
-        "fail", description="When the training memory plan (eagle3.train.memory: parameters, gradients, AdamW "
+        "fail", description="When the training memory plan (eagle3.train.memory: parameters, gradients, optimizer "
         "states, activations, teacher buffers, batches; bytes per process) plus memory_margin_fraction exceeds the "
         "GPU's free memory (CUDA) or the host's available RAM (CPU, all processes): 'fail' refuses to start with "
         "the itemized plan, 'warn' logs it and tries anyway.", json_schema_extra=RUNTIME)
@@ -168,10 +169,9 @@ class TrainConfig(BaseModel):
     @model_validator(mode="after")
     def _muon_not_sharded(self) -> TrainConfig:
         if self.optimizer == "muon" and self.parallel == "fsdp":
-            raise ValueError("optimizer 'muon' with parallel 'fsdp': not supported (Muon orthogonalizes whole "
-                             "matrices; over FSDP's shards two gloo processes ended 5e-4 away from one process after "
-                             "8 steps, where DDP and AdamW agree within 1e-5); use parallel 'ddp' or optimizer "
-                             "'adamw'")
+            raise ValueError("optimizer 'muon' with parallel 'fsdp': not verified (over FSDP's shards two gloo "
+                             "processes ended 5e-4 from one process after 8 steps, where DDP + Muon and FSDP + AdamW "
+                             "agree within 1e-5); use parallel 'ddp' or optimizer 'adamw'")
         return self
 
     @property

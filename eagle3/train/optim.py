@@ -25,7 +25,8 @@ MUON_NS_STEPS = 5  # Newton-Schulz iterations (torch's and speculators' default)
 
 
 def is_muon_parameter(name: str, param: torch.Tensor) -> bool:
-    """Muon updates a trainable 2D matrix (both sides > 1) that is not an output head or embedding."""
+    """Muon updates a trainable 2D matrix (both sides > 1) that is not an output head or embedding. The training
+    memory plan counts the same set by module (eagle3.train.memory; tests/test_train_memory.py keeps them equal)."""
     return (param.requires_grad and param.ndim == 2 and min(param.shape) > 1
             and not any(hint in name for hint in MUON_EXCLUDED))
 

@@ -28,7 +28,7 @@ from eagle3.draft import checkpoint as ckpt
 from eagle3.draft.config import DraftConfig
 from eagle3.draft.model import Eagle3Draft
 from eagle3.store import STORE_JSON, HiddenStateStore, StoreError
-from eagle3.support.dtypes import resolve_compute_dtype, resolve_device
+from eagle3.support.dtypes import cpu_has_native_bf16, resolve_compute_dtype, resolve_device
 from eagle3.support.io import atomic_write_text, sha256_file
 from eagle3.support.progress import Progress, fmt_duration
 from eagle3.support.settings import output_view
@@ -135,6 +135,10 @@ class Trainer:
                                     ).to(self.device)
         self.model = self._wrap(self.ttt)
         self.optimizers = build_optimizers(self.draft, cfg)
+        if cfg.optimizer == "muon" and self.device.type == "cpu" and not cpu_has_native_bf16() and self.dist.main:
+            log.warning("[train] optimizer muon on a CPU without native bf16: torch's Muon runs its Newton-Schulz "
+                        "steps in bf16 whatever cpu_dtype says, and bf16 matmuls are ~20x slower here than on a CPU "
+                        "with AVX512-BF16 / AMX; set train.optimizer adamw if the steps are too slow")
         self.epoch, self.step_in_epoch, self.global_step, self.tokens_seen = 0, 0, 0, 0
         # [K, N_STATS] float64: TTT stats of the steps since the last train record (or the epoch start); part of
         # the resume state, so the first record after a resume covers the same steps as in an uninterrupted run
