@@ -113,8 +113,8 @@ def test_two_gloo_processes_equal_one(random_store, tiny_llama_verifier, tmp_pat
     _assert_same_metrics(_metrics(tmp_path / "one"), _metrics(tmp_path / "two"), tol=1e-5)
     a = load_file(str(tmp_path / "one/checkpoints/epoch-002/model.safetensors"))
     b = load_file(str(tmp_path / "two/checkpoints/epoch-002/model.safetensors"))
-    diff = {k: (a[k].float() - b[k].float()).abs().max().item() for k in a}
-    assert all(v <= 1e-5 for v in diff.values()), diff
+    assert all(torch.allclose(a[k].float(), b[k].float(), atol=1e-5) for k in a), \
+        {k: (a[k].float() - b[k].float()).abs().max().item() for k in a}
 
 
 @pytest.mark.slow
@@ -267,9 +267,8 @@ def test_muon_updates_the_matrices_resumes_exactly_and_learns(random_store, tiny
     assert [p for g in adamw.param_groups for p in g["params"]] == [model.norm.weight, model.lm_head.weight]
     set_lr([muon, adamw], 1e-3)
     assert muon.param_groups[0]["lr"] == 2e-3 and adamw.param_groups[0]["lr"] == 1e-3
-    legacy = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=1.0)  # a resume state before lr_scale
-    legacy.param_groups[0].pop("lr_scale", None)
-    set_lr([legacy], 1e-3)
+    legacy = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=1.0)  # groups without lr_scale, as a
+    set_lr([legacy], 1e-3)  # resume state saved before it loads them
     assert legacy.param_groups[0]["lr"] == 1e-3
     with pytest.raises(ValueError, match="optimizer 'muon' with parallel 'fsdp'"):
         TrainConfig(**{**cfg.model_dump(), "parallel": "fsdp"})
