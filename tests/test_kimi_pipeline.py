@@ -65,6 +65,9 @@ def test_kimi_shaped_states_equal_across_backends_and_vllm_passes_the_selfcheck(
     hf = extract_hidden_states(_cfg(kimi_shaped), ds, tmp_path / "hf")
     vl = extract_hidden_states(_cfg(kimi_shaped, backend="vllm"), ds, tmp_path / "vllm")  # 130 > the 128 budget
     assert hf.selfcheck["passed"] and vl.selfcheck["passed"] and vl.selfcheck["backend"] == "vllm"
+    # the batch copy shared its first forward step and came second in it (the engine's scheduler was paused while the
+    # chunk's requests were added): the 7-token check behind the next shortest sample (33 tokens + template)
+    assert vl.selfcheck["batch_samples"] >= 2 and vl.selfcheck["tokens_ahead"] > 0, vl.selfcheck
     a, b = HiddenStateStore(tmp_path / "hf"), HiddenStateStore(tmp_path / "vllm")
     assert a.aux_layer_ids == b.aux_layer_ids == [1, 2]  # vLLM's rule for 4 layers
     for i in range(4):

@@ -35,6 +35,14 @@ def test_check_names_the_sample_and_the_worst_state():
     assert selfcheck.check(4, 3, (bent, final), (aux, final), [2, 5, 7], "bfloat16", "vllm", 0.1)["passed"]
     with pytest.raises(BatchInvarianceError, match="sample 4 .* aux layer 5"):
         selfcheck.raise_if_failed(bad)
+    # a batch copy computed alone, or first in a flattened step, compares nothing: inconclusive, never passed
+    alone = selfcheck.check(4, 1, (bent, final), (aux, final), [2, 5, 7], "float32", "vllm", 0.1, tokens_ahead=0)
+    first = selfcheck.check(4, 3, (aux, final), (aux, final), [2, 5, 7], "float32", "vllm", 0.1, tokens_ahead=0)
+    assert alone["passed"] is None and "batch copy alone in its forward step" in alone["reason"]
+    assert first["passed"] is None and "first of 3 samples" in first["reason"] and first["tokens_ahead"] == 0
+    selfcheck.raise_if_failed(first)
+    assert selfcheck.summary(first).startswith("self-check inconclusive: ")
+    assert selfcheck.check(4, 3, (aux, final), (aux, final), [2, 5, 7], "float32", "vllm", 0.1, 9)["passed"]
 
 
 def test_every_transformers_extraction_runs_it_and_records_it(tiny_llama_verifier, tmp_path):

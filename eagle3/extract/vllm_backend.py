@@ -83,9 +83,10 @@ def run_vllm(
             work_file = work / f"work-{os.getpid()}.safetensors"
             check = selfcheck_sample(remaining) if cfg.selfcheck and "selfcheck" not in stats else None
             order = sorted(remaining)
-            if check is not None:  # second in line: the first step holds it behind another sample (its tokens at an
-                others = [i for i in order if i != check]  # offset in the flattened step, as most requests' are)
-                order = [others[0], check, *others[1:]]
+            if check is not None:  # second in line, behind the next shortest sample: the first step holds both, its
+                others = [i for i in order if i != check]  # tokens at an offset in the flattened step (as most are)
+                companion = min(others[:64], key=lambda i: (remaining[i], i))
+                order = [companion, check, *(i for i in others if i != companion)]
             write_work_file(work_file, ds, order)
             longest = max(remaining.values()) + 1  # tokens: the longest prompt + the one token vLLM generates
             check_file = work / f"selfcheck-{os.getpid()}-{attempt}.json"

@@ -45,6 +45,11 @@ LOSS_MASK_KEY = "eagle3_loss_mask"
 SELFCHECK_KEY = "eagle3_selfcheck"  # "alone": keep a raw copy only; "batch": the store sample + a raw copy
 
 
+# a self-check copy's metadata: the requests in the forward step that computed it, and that step's tokens of the
+# requests scheduled before it
+STEP_LAYOUT = ("step_requests", "tokens_ahead")
+
+
 def selfcheck_file(store_dir: str | Path, kind: str, index: int) -> Path:
     """The raw copy ([T, n_aux + 1, H], compute dtype) of the self-check's sample, extracted ``kind`` ("alone" or
     "batch"): eagle3/extract/selfcheck.py compares the two."""
@@ -56,6 +61,8 @@ class StorePendingSave(PendingSave):
     index: int = -1  # dataset index of the sample
     loss_mask: list[int] = field(default_factory=list)  # [T], 1 = assistant token
     selfcheck: str = ""  # "", "alone" or "batch" (SELFCHECK_KEY)
+    step_requests: int = 0  # self-check copies: requests in the forward step that first scheduled this one
+    tokens_ahead: int = 0  # self-check copies: that step's tokens of the requests scheduled before this one
 
 
 class Eagle3StoreConnector(ExampleHiddenStatesConnector):
@@ -68,12 +75,26 @@ class Eagle3StoreConnector(ExampleHiddenStatesConnector):
         self._n_aux = int(extra["eagle3_n_aux"])
         self.use_lock = False  # no per-file .lock companions: the manifest line marks a finished sample
         self._copied: set[str] = set()  # worker: requests whose states are already in host memory
+        self._step_layout: dict[str, tuple[int, int]] = {}  # scheduler: self-check request -> STEP_LAYOUT values
 
     # ------------------------------------------------------------------ scheduler side
+
+    def build_connector_meta(self, scheduler_output):
+        """The stock metadata; for a self-check request also the layout of the forward step that first scheduled it:
+        how many requests the step held and how many of its tokens came before the request's (the check compares
+        nothing about batch dependence when the engine computed its "batch" copy alone, or first in its step)."""
+        ahead = 0
+        for new_req in scheduler_output.scheduled_new_reqs:  # in scheduling order: the order of the flattened step
+            extra = new_req.sampling_params.extra_args if new_req.sampling_params else None
+            if ((extra or {}).get("kv_transfer_params") or {}).get(SELFCHECK_KEY):
+                self._step_layout[new_req.req_id] = (len(scheduler_output.num_scheduled_tokens), ahead)
+            ahead += int(scheduler_output.num_scheduled_tokens.get(new_req.req_id, 0))
+        return super().build_connector_meta(scheduler_output)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params or {}
         self._request_filenames.pop(request.request_id, None)
+        step_requests, tokens_ahead = self._step_layout.pop(request.request_id, (0, 0))
         if INDEX_KEY not in params or request.prompt_token_ids is None:
             return False, None
         self._pending_saves[request.request_id] = StorePendingSave(
@@ -84,6 +105,8 @@ class Eagle3StoreConnector(ExampleHiddenStatesConnector):
             index=int(params[INDEX_KEY]),
             loss_mask=list(params[LOSS_MASK_KEY]),
             selfcheck=str(params.get(SELFCHECK_KEY, "")),
+            step_requests=step_requests,
+            tokens_ahead=tokens_ahead,
         )
         return True, {INDEX_KEY: int(params[INDEX_KEY])}
 
@@ -113,7 +136,8 @@ class Eagle3StoreConnector(ExampleHiddenStatesConnector):
             path = selfcheck_file(self._store_dir, pending.selfcheck, pending.index)
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.tmp")
-            save_safetensors({"states": states.contiguous()}, tmp)
+            save_safetensors({"states": states.contiguous()}, tmp, {
+                STEP_LAYOUT[0]: str(pending.step_requests), STEP_LAYOUT[1]: str(pending.tokens_ahead)})
             tmp.replace(path)
             if pending.selfcheck == "alone":
                 return

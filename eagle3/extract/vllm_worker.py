@@ -13,8 +13,9 @@ Job file keys: verifier, aux_layer_ids, num_hidden_layers, store_dir, group_size
 (safetensors: index [N] int64, offsets [N+1] int64, input_ids [sum T] int32, loss_mask [sum T] uint8),
 dtype, max_num_batched_tokens, max_num_seqs, max_model_len, engine (the engine settings' ``vllm.LLM`` arguments),
 chunk_samples, write_timeout_seconds, selfcheck (None, or index, tolerance and
-result_file: the sample is first extracted alone, then second in the first chunk; the driver compares the two raw
-copies the connector keeps (eagle3/extract/selfcheck.py), writes the result and stops with EXIT_SELFCHECK on a
+result_file: the sample is first extracted alone, then second in the first chunk, whose requests all reach the paused
+scheduler before its first step; the driver compares the two raw copies the connector keeps, with the layout of the
+step that computed the batch copy (eagle3/extract/selfcheck.py), writes the result and stops with EXIT_SELFCHECK on a
 mismatch).
 """
 
@@ -92,8 +93,11 @@ def main(job_path: str) -> int:
     for a in range(0, len(index), chunk):
         prompts, params = zip(*(request(j, "batch" if check and j == 1 else "")
                                 for j in range(a, min(a + chunk, len(index)))))
-        llm.generate(list(prompts), list(params), use_tqdm=False)
-        if check and a == 0 and not _compare(job, check, min(chunk, len(index)), time.monotonic() - t0):
+        if check and a == 0:
+            _generate_queued(llm, list(prompts), list(params))
+        else:
+            llm.generate(list(prompts), list(params), use_tqdm=False)
+        if check and a == 0 and not _compare(job, check, time.monotonic() - t0):
             return EXIT_SELFCHECK
     # writes finish on the connector's threads: wait until the manifest lists every sample of this job
     want, deadline = set(index), time.monotonic() + float(job["write_timeout_seconds"])
@@ -109,13 +113,29 @@ def main(job_path: str) -> int:
         time.sleep(0.2)
 
 
-def _compare(job: dict, check: dict, batch_size: int, seconds: float) -> bool:
+def _generate_queued(llm, prompts: list[dict], params: list) -> None:
+    """``llm.generate`` with every request in the scheduler before the first forward step: the scheduler is paused
+    (vLLM's sleep level 0: requests queue, nothing runs) while they are added. Else an engine core in its own process
+    may start a step as soon as the first request arrives, and the self-check's sample, second in line, would be
+    computed alone or first in a later step (seen on a loaded 2-core host: the check compared identical copies)."""
+    engine = llm.llm_engine
+    llm.sleep(level=0, mode="keep")
+    for k, (prompt, param) in enumerate(zip(prompts, params)):
+        engine.add_request(f"selfcheck-chunk-{k}", prompt, param)
+    llm.wake_up(tags=["scheduling"])
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def _compare(job: dict, check: dict, seconds: float) -> bool:
     """Compare the raw copies of the check's sample (alone, in the batch) once the connector wrote both; write the
-    result file. False when the states differ beyond the tolerance."""
+    result file. False when the states differ beyond the tolerance. The batch size compared is the number of
+    requests the engine put in the forward step that computed the batch copy (the connector records it)."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     from eagle3.extract import selfcheck
-    from eagle3.extract.vllm_connector import selfcheck_file
+    from eagle3.extract.vllm_connector import STEP_LAYOUT, selfcheck_file
     from eagle3.support.io import atomic_write_json
 
     files = [selfcheck_file(job["store_dir"], kind, check["index"]) for kind in ("batch", "alone")]
@@ -126,13 +146,15 @@ def _compare(job: dict, check: dict, batch_size: int, seconds: float) -> bool:
         time.sleep(0.1)
     n_aux = len(job["aux_layer_ids"])
     batch, alone = (load_file(str(f))["states"] for f in files)  # [T, n_aux + 1, H] each
+    with safe_open(str(files[0]), "pt") as f:
+        step_requests, tokens_ahead = (int((f.metadata() or {})[k]) for k in STEP_LAYOUT)
     record = selfcheck.check(
-        check["index"], batch_size, (batch[:, :n_aux].flatten(1), batch[:, n_aux]),
+        check["index"], step_requests, (batch[:, :n_aux].flatten(1), batch[:, n_aux]),
         (alone[:, :n_aux].flatten(1), alone[:, n_aux]), job["aux_layer_ids"], job["dtype"], "vllm", seconds,
-        check["tolerance"])
+        check["tolerance"], tokens_ahead)
     atomic_write_json(check["result_file"], record)
     print(f"[eagle3-vllm] {selfcheck.summary(record)}", flush=True)
-    return bool(record["passed"])
+    return record["passed"] is not False
 
 
 if __name__ == "__main__":
