@@ -81,12 +81,11 @@ def run_vllm(
         while remaining:
             attempt += 1
             work_file = work / f"work-{os.getpid()}.safetensors"
-            check = selfcheck_sample(remaining) if cfg.selfcheck and "selfcheck" not in stats else None
+            pair = selfcheck_pair(remaining) if cfg.selfcheck and "selfcheck" not in stats else None
+            check = None if pair is None else pair[1]
             order = sorted(remaining)
-            if check is not None:  # second in line, behind the next shortest sample: the first step holds both, its
-                others = [i for i in order if i != check]  # tokens at an offset in the flattened step (as most are)
-                companion = min(others[:64], key=lambda i: (remaining[i], i))
-                order = [companion, check, *(i for i in others if i != companion)]
+            if pair is not None:  # the check second in line, behind its companion: the first step holds both, the
+                order = [*pair, *(i for i in order if i not in pair)]  # check's tokens at an offset in it
             write_work_file(work_file, ds, order)
             longest = max(remaining.values()) + 1  # tokens: the longest prompt + the one token vLLM generates
             check_file = work / f"selfcheck-{os.getpid()}-{attempt}.json"
@@ -151,11 +150,12 @@ def _manifest_follower(store_dir: Path, remaining: dict[int, int], stats: dict[s
     return follow
 
 
-def selfcheck_sample(remaining: dict[int, int], window: int = 64) -> int | None:
-    """The sample the driver extracts alone and in the first batch: the shortest of the first ``window`` to do (so
-    the scheduler's first step has room for it beside another); None when fewer than two are left."""
-    first = sorted(remaining)[:window]
-    return min(first, key=lambda i: (remaining[i], i)) if len(first) > 1 else None
+def selfcheck_pair(remaining: dict[int, int], window: int = 64) -> tuple[int, int] | None:
+    """(companion, check): the two shortest of the first ``window`` samples to do (so the scheduler's first step
+    holds both); the driver extracts the check alone and second in the first batch, behind its companion. None when
+    fewer than two are left."""
+    first = sorted(sorted(remaining)[:window], key=lambda i: (remaining[i], i))
+    return (first[1], first[0]) if len(first) > 1 else None
 
 
 def step_tokens(budget: int, longest: int, mla: bool, on_gpu: bool) -> int:
