@@ -41,6 +41,12 @@ def test_check_names_the_sample_and_the_worst_state():
     assert alone["passed"] is None and "batch copy alone in its forward step" in alone["reason"]
     assert first["passed"] is None and "first of 3 samples" in first["reason"] and first["tokens_ahead"] == 0
     selfcheck.raise_if_failed(first)
+    # a step that also continued earlier requests: the copy's place is not known, so a match proves nothing
+    unknown = selfcheck.check(4, 3, (aux, final), (aux, final), [2, 5, 7], "float32", "vllm", 0.1,
+                              tokens_ahead=selfcheck.ORDER_UNKNOWN)
+    assert unknown["passed"] is None and "unknown place among 3 samples" in unknown["reason"]
+    assert selfcheck.check(4, 3, (bent, final), (aux, final), [2, 5, 7], "float32", "vllm", 0.1,
+                           tokens_ahead=selfcheck.ORDER_UNKNOWN)["passed"] is None
     assert selfcheck.summary(first).startswith("self-check inconclusive: ")
     assert selfcheck.check(4, 3, (aux, final), (aux, final), [2, 5, 7], "float32", "vllm", 0.1, 9)["passed"]
 

@@ -28,6 +28,10 @@ import torch
 
 log = logging.getLogger("eagle3.extract")
 
+# ``tokens_ahead`` of a batch copy whose place in its flattened step is not known: the step also continued requests
+# scheduled in earlier steps, which the engine's persistent batch may put before, between or after the new ones
+ORDER_UNKNOWN = -1
+
 SELFCHECK_FILE = "selfcheck.json"
 SELFCHECK_DIR = "selfcheck"  # the vLLM backend's alone-extracted sample files
 TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2, "float16": 3e-2}  # relative L2 error, by compute dtype
@@ -63,15 +67,16 @@ def check(index: int, batch_size: int, batch: tuple[torch.Tensor, torch.Tensor],
           seconds: float, limit: float | None = None, tokens_ahead: int | None = None) -> dict[str, Any]:
     """The self-check record of sample ``index`` (extracted in a forward pass holding ``batch_size`` samples, and
     alone): ``passed``, the error per state, the tolerance, and ``message`` naming the worst state when it failed.
-    ``tokens_ahead``: in a flattened (unpadded) step, the step's tokens of the samples before this one (vLLM).
-    ``passed`` is None (inconclusive, ``reason`` says why) when the "batch" copy was computed alone (``batch_size``
-    < 2) or first in its flattened step (``tokens_ahead`` 0): the two copies then say nothing about batch dependence
-    (vLLM's CPU rope bug left the first sample of a step exact)."""
+    ``tokens_ahead``: in a flattened (unpadded) step, the step's tokens of the samples before this one (vLLM;
+    ``ORDER_UNKNOWN`` when its place in the step is not known). ``passed`` is None (inconclusive, ``reason`` says
+    why) when the "batch" copy was computed alone (``batch_size`` < 2), first in its flattened step (``tokens_ahead``
+    0) or at an unknown place: the two copies then say nothing certain about batch dependence (vLLM's CPU rope bug
+    left the first sample of a step exact)."""
     names = state_names(aux_layer_ids)
     errors = relative_errors(batch[0], batch[1], alone[0], alone[1], len(aux_layer_ids))
     tol = tolerance(compute_dtype, limit)
     worst = max(range(len(errors)), key=lambda i: errors[i])
-    shared = batch_size > 1 and tokens_ahead != 0
+    shared = batch_size > 1 and tokens_ahead not in (0, ORDER_UNKNOWN)
     passed = all(math.isfinite(e) and e <= tol for e in errors) if shared else None
     record = {"ran": True, "passed": passed, "sample": index, "batch_samples": batch_size, "backend": backend,
               "compute_dtype": compute_dtype, "tolerance": tol, "seconds": round(seconds, 3),
@@ -79,10 +84,12 @@ def check(index: int, batch_size: int, batch: tuple[torch.Tensor, torch.Tensor],
     if tokens_ahead is not None:
         record["tokens_ahead"] = tokens_ahead
     if passed is None:
-        where = "alone" if batch_size < 2 else f"first of {batch_size} samples"
+        where = ("alone" if batch_size < 2 else f"at an unknown place among {batch_size} samples (the step also "
+                 f"continued requests scheduled earlier)" if tokens_ahead == ORDER_UNKNOWN
+                 else f"first of {batch_size} samples")
         record["reason"] = (
             f"the engine computed sample {index}'s batch copy {where} in its forward step, so the two copies say "
-            f"nothing about batch dependence")
+            f"nothing certain about batch dependence")
     elif not passed:
         record["message"] = (
             f"extraction self-check failed: sample {index} extracted alone differs from the same sample extracted in "

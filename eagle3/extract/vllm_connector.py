@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 from vllm.logger import init_logger
 
-from eagle3.extract.selfcheck import SELFCHECK_DIR
+from eagle3.extract.selfcheck import ORDER_UNKNOWN, SELFCHECK_DIR
 from eagle3.store import STORE_DTYPES, append_manifest, serialize_sample, token_digest, write_sample_bytes
 from eagle3.support.io import save_safetensors
 
@@ -62,7 +62,7 @@ class StorePendingSave(PendingSave):
     loss_mask: list[int] = field(default_factory=list)  # [T], 1 = assistant token
     selfcheck: str = ""  # "", "alone" or "batch" (SELFCHECK_KEY)
     step_requests: int = 0  # self-check copies: requests in the forward step that first scheduled this one
-    tokens_ahead: int = 0  # self-check copies: that step's tokens of the requests scheduled before this one
+    tokens_ahead: int = 0  # self-check copies: that step's tokens of the requests before this one (or ORDER_UNKNOWN)
 
 
 class Eagle3StoreConnector(ExampleHiddenStatesConnector):
@@ -82,12 +82,20 @@ class Eagle3StoreConnector(ExampleHiddenStatesConnector):
     def build_connector_meta(self, scheduler_output):
         """The stock metadata; for a self-check request also the layout of the forward step that first scheduled it:
         how many requests the step held and how many of its tokens came before the request's (the check compares
-        nothing about batch dependence when the engine computed its "batch" copy alone, or first in its step)."""
+        nothing about batch dependence when the engine computed its "batch" copy alone, or first in its step).
+
+        The new requests' scheduling order is the flattened step's order only when the step holds nothing else: the
+        model runner drops every request not scheduled again from its persistent batch and fills the freed slots
+        lowest first, in this order. A step that also continues requests scheduled earlier (chunked prefills,
+        decodes) keeps those in their slots, and some attention backends reorder decodes before prefills: there the
+        place is recorded as unknown (selfcheck.ORDER_UNKNOWN), which the check reads as inconclusive."""
+        continued = bool(scheduler_output.scheduled_cached_reqs.req_ids)
         ahead = 0
-        for new_req in scheduler_output.scheduled_new_reqs:  # in scheduling order: the order of the flattened step
+        for new_req in scheduler_output.scheduled_new_reqs:  # in scheduling order
             extra = new_req.sampling_params.extra_args if new_req.sampling_params else None
             if ((extra or {}).get("kv_transfer_params") or {}).get(SELFCHECK_KEY):
-                self._step_layout[new_req.req_id] = (len(scheduler_output.num_scheduled_tokens), ahead)
+                self._step_layout[new_req.req_id] = (len(scheduler_output.num_scheduled_tokens),
+                                                     ORDER_UNKNOWN if continued else ahead)
             ahead += int(scheduler_output.num_scheduled_tokens.get(new_req.req_id, 0))
         return super().build_connector_meta(scheduler_output)
 
