@@ -45,8 +45,11 @@ def test_check_names_the_sample_and_the_worst_state():
     unknown = selfcheck.check(4, 3, (aux, final), (aux, final), [2, 5, 7], "float32", "vllm", 0.1,
                               tokens_ahead=selfcheck.ORDER_UNKNOWN)
     assert unknown["passed"] is None and "unknown place among 3 samples" in unknown["reason"]
-    assert selfcheck.check(4, 3, (bent, final), (aux, final), [2, 5, 7], "float32", "vllm", 0.1,
-                           tokens_ahead=selfcheck.ORDER_UNKNOWN)["passed"] is None
+    # but copies that differ prove batch dependence wherever the copy sat in a shared step
+    for ahead in (0, selfcheck.ORDER_UNKNOWN):
+        differ = selfcheck.check(4, 3, (bent, final), (aux, final), [2, 5, 7], "float32", "vllm", 0.1,
+                                 tokens_ahead=ahead)
+        assert differ["passed"] is False and "aux layer 5" in differ["message"]
     assert selfcheck.summary(first).startswith("self-check inconclusive: ")
     assert selfcheck.check(4, 3, (aux, final), (aux, final), [2, 5, 7], "float32", "vllm", 0.1, 9)["passed"]
 

@@ -68,16 +68,19 @@ def check(index: int, batch_size: int, batch: tuple[torch.Tensor, torch.Tensor],
     """The self-check record of sample ``index`` (extracted in a forward pass holding ``batch_size`` samples, and
     alone): ``passed``, the error per state, the tolerance, and ``message`` naming the worst state when it failed.
     ``tokens_ahead``: in a flattened (unpadded) step, the step's tokens of the samples before this one (vLLM;
-    ``ORDER_UNKNOWN`` when its place in the step is not known). ``passed`` is None (inconclusive, ``reason`` says
-    why) when the "batch" copy was computed alone (``batch_size`` < 2), first in its flattened step (``tokens_ahead``
-    0) or at an unknown place: the two copies then say nothing certain about batch dependence (vLLM's CPU rope bug
-    left the first sample of a step exact)."""
+    ``ORDER_UNKNOWN`` when its place in the step is not known). Copies that differ beyond the tolerance fail
+    whenever the step held other samples, wherever the copy sat. Copies that match pass only when the copy had
+    samples before it: ``passed`` is None (inconclusive, ``reason`` says why) when the "batch" copy was computed
+    alone (``batch_size`` < 2), first in its flattened step (``tokens_ahead`` 0) or at an unknown place, since a
+    match there says nothing certain about batch dependence (vLLM's CPU rope bug left the first sample of a step
+    exact)."""
     names = state_names(aux_layer_ids)
     errors = relative_errors(batch[0], batch[1], alone[0], alone[1], len(aux_layer_ids))
     tol = tolerance(compute_dtype, limit)
     worst = max(range(len(errors)), key=lambda i: errors[i])
     shared = batch_size > 1 and tokens_ahead not in (0, ORDER_UNKNOWN)
-    passed = all(math.isfinite(e) and e <= tol for e in errors) if shared else None
+    within = all(math.isfinite(e) and e <= tol for e in errors)
+    passed = False if batch_size > 1 and not within else (True if shared else None)
     record = {"ran": True, "passed": passed, "sample": index, "batch_samples": batch_size, "backend": backend,
               "compute_dtype": compute_dtype, "tolerance": tol, "seconds": round(seconds, 3),
               "relative_errors": dict(zip(names, errors)), "tokens": int(batch[1].shape[0])}
