@@ -18,7 +18,7 @@ from eagle3.support.verifier import VerifierSpec
 from eagle3.train.config import TrainConfig
 from eagle3.train.data import Batch, pack_samples, packing_efficiency, split_indices
 from eagle3.train.schedule import lr_at
-from eagle3.train.ttt import TrainingTimeTest, context_mask, summarize, ttt_counted
+from eagle3.train.ttt import GatheredKL, TrainingTimeTest, context_mask, summarize, ttt_counted
 
 H, D, K = 8, 50, 4
 
@@ -61,7 +61,8 @@ class OracleDraft(nn.Module):
     def project_aux(self, aux: torch.Tensor) -> torch.Tensor:
         return aux[..., :H] * 0 + self.w
 
-    def step(self, ids, hidden, pos, mask, cache):
+    def step_features(self, ids, hidden, pos, mask, cache):
+        """(hidden, the logits themselves as the head's input): ``head`` is the identity."""
         t = ids.shape[1]
         j = (ids - 1000).clamp(0, t - 1)  # row position of the input token
         # the position the draft sees is its entry's position + k, i.e. (position of x_j) - 1
@@ -71,6 +72,9 @@ class OracleDraft(nn.Module):
         src = (j + self.shift).clamp(0, t - 1)
         logits = self.teacher.gather(1, src[..., None].expand(-1, -1, self.teacher.shape[-1]))
         return hidden, logits + self.w
+
+    def head(self, x):
+        return x
 
 
 def test_counted_entries_by_hand():
@@ -161,10 +165,14 @@ class Recorder(nn.Module):
     def project_aux(self, aux):
         return self.draft.project_aux(aux)
 
-    def step(self, ids, hidden, pos, mask, cache):
-        pre, logits = self.draft.step(ids, hidden, pos, mask, cache)
-        self.steps.append((pre.detach(), logits.detach()))
-        return pre, logits
+    def step_features(self, ids, hidden, pos, mask, cache):
+        """Records the pre-norm output and the logits at EVERY entry (the TTT computes them only where read)."""
+        pre, normed = self.draft.step_features(ids, hidden, pos, mask, cache)
+        self.steps.append((pre.detach(), self.draft.head(normed).detach()))
+        return pre, normed
+
+    def head(self, normed):
+        return self.draft.head(normed)
 
 
 @torch.no_grad()
@@ -193,6 +201,81 @@ def test_ttt_step_k_is_the_serving_chain(tiny_llama_verifier):
                 torch.testing.assert_close(pre[0, -1], rec.steps[k][0][r, i], atol=2e-5, rtol=1e-4)
                 checked += 1
     assert checked == sum(min(K, n - 1 - l) for n in (7, 6, 3, 16) for l in range(n) if n - 1 - l > 0)
+
+
+def test_heads_at_kept_entries_give_the_dense_loss_and_metrics():
+    """The heads run only at the entries the loss or the chain metrics read (ttt_kept); loss and every statistic
+    equal the dense computation over all entries (KL of every counted entry, chains followed entry by entry), on
+    rows with several samples, padding and a sparse loss mask. The draft is the teacher's oracle except at every
+    third row position, so chains both live and break (an entry counted only at a later step still needs its
+    earlier guesses)."""
+    batch = _batch([[7, 6, 3], [11]], t=16)
+    batch.loss_mask &= torch.arange(16) % 5 != 1  # prompt-like gaps besides every 4th token
+    batch.counted = torch.stack([ttt_counted(batch.loss_mask, batch.seq_ids, k).sum() for k in range(K)])
+    ttt = _ttt(nn.Identity())
+    teacher = ttt.teacher_logits(batch.final)  # [B, T, D]
+    noisy = teacher.clone()
+    noisy[:, ::3] = torch.randn(noisy[:, ::3].shape, generator=torch.Generator().manual_seed(1))
+    rec = Recorder(OracleDraft(batch, noisy))
+    ttt.draft = rec
+    norm = batch.counted.float().clamp(min=1)
+    loss, stats = ttt(batch, norm)
+    t_logp = torch.log_softmax(ttt.teacher_logits(batch.final), -1)  # [B, T, D]
+    alive = torch.ones_like(batch.loss_mask)
+    dense, expect = 0.0, torch.zeros_like(stats)
+    for k in range(K):
+        n = 16 - 1 - k
+        logq = torch.log_softmax(rec.steps[k][1][:, :n], -1)  # [B, n, D]
+        tl = t_logp[:, 1 + k:]
+        kl = (tl.exp() * (tl - logq)).sum(-1)  # [B, n]
+        counted = ttt_counted(batch.loss_mask, batch.seq_ids, k)[:, :n]
+        right = logq.argmax(-1) == tl.argmax(-1)
+        live = alive[:, :n]
+        dense += ttt.weights[k] * float((kl * counted).sum()) / float(norm[k])
+        expect[k] = torch.tensor([float((kl * counted).sum()), float(counted.sum()), float((right & counted).sum()),
+                                  float((live & counted).sum()), float((live & right & counted).sum())])
+        in_sample = torch.roll(batch.seq_ids, -(2 + k), 1)[:, :n] == batch.seq_ids[:, :n]
+        alive = torch.zeros_like(alive)
+        alive[:, :n] = live & right & in_sample
+    assert 0 < float(stats[1:, 3].sum()) < float(stats[1:, 1].sum())  # chains live and break
+    assert float(loss.detach()) == pytest.approx(dense, rel=1e-5)
+    torch.testing.assert_close(stats, expect, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gathered_kl_value_and_gradient_equal_autograd(dtype):
+    """GatheredKL keeps only q's log-probabilities and gathers the teacher rows again in backward; its KL and its
+    gradient equal plain autograd through log_softmax and the gathered rows (bf16 logits as under autocast)."""
+    g = torch.Generator().manual_seed(0)
+    t_p = torch.softmax(3 * torch.randn(9, D, generator=g), -1)
+    t_ent = -(t_p * t_p.log()).sum(-1)
+    rows = torch.tensor([4, 0, 4, 8, 2, 7])
+    logits = (2 * torch.randn(6, D, generator=g)).to(dtype).requires_grad_()
+    weight = torch.rand(6, generator=g)
+    kl, logq = GatheredKL.apply(logits, t_p, t_ent, rows)
+    (kl * weight).sum().backward()
+    mine, logits.grad = logits.grad, None
+    ref_logq = torch.log_softmax(logits.float(), -1)
+    ref = (t_p[rows] * (t_p[rows].log() - ref_logq)).sum(-1)
+    (ref * weight).sum().backward()
+    torch.testing.assert_close(kl, ref.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logq, ref_logq.detach())
+    assert mine.dtype == dtype and not logq.requires_grad
+    torch.testing.assert_close(mine.float(), logits.grad.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=1e-6)
+
+
+def test_a_micro_batch_without_counted_entries_still_reaches_every_parameter(tiny_llama_verifier):
+    """No loss-masked token at all: the heads read nothing, the loss is 0, and every trainable parameter still gets
+    a (zero) gradient, as DDP's reduction expects of each process."""
+    batch = _batch([[9, 7]], t=16, token_base=0, h=64)
+    batch.loss_mask[:] = False
+    batch.counted = torch.zeros(K, dtype=torch.long)
+    draft = _real_draft(tiny_llama_verifier)
+    loss, stats = _ttt(draft, h=64)(batch, torch.ones(K))
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and float(stats.abs().sum()) == 0.0
+    assert all(p.grad is not None for p in draft.parameters() if p.requires_grad)
 
 
 def test_embedding_and_verifier_head_stay_frozen(tiny_llama_verifier):

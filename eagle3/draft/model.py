@@ -289,9 +289,20 @@ class Eagle3Draft(nn.Module):
         Returns (the hidden state the next draft step reads [B, T, H]: the PRE-norm output, or the normed one with
         norm_output; logits [B, T, draft_vocab]).
         """
+        fed, normed = self.step_features(input_ids, hidden, position_ids, mask, cache)
+        return fed, self.head(normed)
+
+    def step_features(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+                      mask: torch.Tensor, cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``step`` without the head: (the hidden state fed forward, the normed output [B, T, H] that ``head``
+        reads). The training-time test applies ``head`` only at the entries its loss reads."""
         prenorm = self.midlayer(self.embed_tokens(input_ids), hidden, position_ids, mask, cache)
         normed = self.norm(prenorm)
-        return (normed if self.config.norm_output else prenorm), self.lm_head(normed)
+        return (normed if self.config.norm_output else prenorm), normed
+
+    def head(self, normed: torch.Tensor) -> torch.Tensor:
+        """[..., H] normed outputs -> [..., draft_vocab] logits."""
+        return self.lm_head(normed)
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,12 +32,17 @@ nh / KV heads nkv of head_dim hd; c = compute bytes (2: bf16 autocast on CUDA, 4
                        keys are qk_nope + qk_rope wide, values v_head_dim; on a CPU SDPA takes its math path
                        (keys wider than values): it keeps q and k scaled, the softmax a B nh T S_k and the values
                      MLP: gate/up inputs (2 c N H on CUDA, a N H on CPU) + gate, silu, up, product 4 c N I
-                     lm_head input c N H; log-softmax of the draft logits a B (T - 1 - k) D
+                     the heads at most at R_k = B (T - 2 - k) entries (a guess inside the row), rounded up to a
+                       multiple of 64 rows (eagle3.train.ttt.HEAD_ROWS_BUCKET): lm_head input
+                       c R_k H; log-softmax of the draft logits a R_k D (the LK losses: + the gathered teacher
+                       probabilities a R_k D)
                    plus fc's input (CUDA: the bf16 cast of the aux states, c N n_aux H_t; CPU: a float32 copy of a
                    bf16 batch) and the norms before fc (norm_before_fc / fc_norm), autocast's bf16 copies of
-                   the trainable matmul weights (CUDA), the teacher probabilities and log-probabilities a N D x 2
-                   (alive through the unroll), and the last step's transients (its logits c N D + the KL product
-                   a N D). The peak is at the end of the forward's last step (the backward frees more than it adds).
+                   the trainable matmul weights (CUDA), the teacher probabilities a R_0 D (the teacher runs at
+                   the rows some kept entry reads, at most R_0; alive through the unroll and read again by the
+                   KL's backward), and the last step's transients (its logits or their gradient c R_K D + the
+                   KL's float32 buffers 2 a R_K D). The peak is at the end of the forward's last step or the start
+                   of its backward.
     batch          the micro-batch on the device: aux [N, n_aux H_t] + final [N, H] in the batch dtype, ids/masks;
                    on CPU the whole optimizer step's micro-batches plus the loader's prefetch (2 steps per thread)
 
@@ -60,6 +65,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from eagle3.draft.config import DraftConfig
 from eagle3.support.dtypes import device_type
 from eagle3.train.config import TrainConfig, TrainError
+from eagle3.train.ttt import HEAD_ROWS_BUCKET
 
 log = logging.getLogger("eagle3")
 
@@ -133,20 +139,31 @@ def parameter_counts(d: DraftConfig) -> tuple[dict[str, int], int]:
     return trainable, d.vocab_size * h
 
 
-def _step_activations(d: DraftConfig, b: int, t: int, k: int, c: int, cuda: bool) -> dict[str, int]:
+def _step_activations(d: DraftConfig, b: int, t: int, k: int, c: int, cuda: bool, loss: str) -> dict[str, int]:
     """Bytes autograd keeps for TTT step ``k`` of a [b, t] micro-batch (see the module docstring)."""
     n, h, i_ = b * t, d.hidden_size, d.intermediate_size
     grad_norm = (F32 + c) * n * h if cuda else 2 * F32 * n * h  # one RMSNorm whose input needs grad
-    # on CPU hidden_norm's input from step 1 on is the previous step's output, already kept by its norm
-    shared = F32 * n * h if (k > 0 and not cuda) else 0
+    # on CPU hidden_norm's input from step 1 on is the previous step's pre-norm output, already kept by its norm
+    # (with norm_output it is the normed output, which only hidden_norm keeps: the heads read gathered rows)
+    shared = F32 * n * h if (k > 0 and not cuda and not d.norm_output) else 0
     return {
         # input_layernorm (input needs no grad) + 3 with grad inputs, + their rsqrt statistics [N, 1]
         "norms": F32 * n * h + 3 * grad_norm - shared + 3 * F32 * n,
         **_attention_activations(d, b, t, k, c, cuda),
         "mlp": (2 * c * n * h if cuda else F32 * n * h) + 4 * c * n * i_,
-        "lm_head input": c * n * h,
-        "log-softmax": F32 * b * max(0, t - 1 - k) * d.draft_vocab_size,
+        # the heads run at the entries whose guess lies inside the row (eagle3.train.ttt.ttt_kept: at most these)
+        "lm_head input": c * head_rows(b, t, k) * h + 9 * head_rows(b, t, k),  # + the gather index, counted mask
+        "log-softmax": F32 * head_rows(b, t, k) * d.draft_vocab_size,
+        # the LK losses keep the gathered teacher probabilities (the KL's GatheredKL gathers them again in backward)
+        "teacher rows": F32 * head_rows(b, t, k) * d.draft_vocab_size if loss != "kl" else 0,
     }
+
+
+def head_rows(b: int, t: int, k: int) -> int:
+    """The most rows the heads of TTT step ``k`` run on in a [b, t] micro-batch: entry i guesses x_{i+2+k}, which
+    must lie in the row (eagle3.train.ttt.ttt_kept), padded to a multiple of HEAD_ROWS_BUCKET (``padded_rows``)."""
+    n = b * max(0, t - 2 - k)
+    return -(-n // HEAD_ROWS_BUCKET) * HEAD_ROWS_BUCKET
 
 
 def _attention_activations(d: DraftConfig, b: int, t: int, k: int, c: int, cuda: bool) -> dict[str, int]:
@@ -251,7 +268,7 @@ def plan_training_memory(draft: DraftConfig, cfg: TrainConfig, world: int | None
                       "the largest group's gradients before reduce-scatter"))
     static = sum(x[1] for x in items)
 
-    steps = [_step_activations(draft, b, t, k, c, cuda) for k in range(kk)]
+    steps = [_step_activations(draft, b, t, k, c, cuda, cfg.loss) for k in range(kk)]
     act: dict[str, int] = {key: sum(s[key] for s in steps) for key in steps[0]}
     # fc's input: CUDA keeps autocast's bf16 cast of it; CPU the float32 batch tensor itself (counted in the batch),
     # or the float32 copy of a bf16/fp16 batch (aux.float())
@@ -267,8 +284,12 @@ def plan_training_memory(draft: DraftConfig, cfg: TrainConfig, world: int | None
     act["context mask"] = b * t * t  # bool, built once
     if (cuda if autocast is None else autocast):  # autocast keeps bf16 copies of the matmul weights
         act["autocast weight copies"] = 2 * matmul
-    act["teacher probabilities"] = 2 * F32 * n * dv + 12 * n  # log-probs + probs [N, D], argmax, entropy
-    act["last-step transients"] = c * n * dv + F32 * n * dv  # its logits + the KL product [N, D]
+    rows = head_rows(b, t, 0)  # the teacher runs at most at rows 1 .. T - 2 (those some kept entry reads)
+    act["teacher probabilities"] = F32 * rows * dv + 12 * rows  # probabilities [rows, D], argmax, entropy
+    last = head_rows(b, t, kk - 1)
+    # the last step's head: its logits (forward) or their gradient (backward), in the compute dtype, + GatheredKL's
+    # float32 buffers (forward: the logits' float copy and the gathered teacher rows; backward: q - p and the rows)
+    act["last-step transients"] = c * last * dv + 2 * F32 * last * dv
     activations = sum(act.values())
     per_step = sum(steps[-1].values())
     items.append(("activations", activations,

@@ -31,6 +31,12 @@ KL(teacher || draft) (or an LK loss, TrainConfig.loss), averaged over counted en
 micro-batches, all ranks); total = sum_k step_weight_decay**k * loss_k. The metrics' loss is the KL whatever the
 training loss.
 
+Where the heads run: the draft's lm_head (and the softmaxes, the KL) only at the entries of step k that the loss or
+the chain metrics read (``ttt_kept``: counted at step k or later), on their rows gathered; the teacher only at the
+row positions those entries read (``teacher_rows``). Padding, prompt tokens and each sample's last tokens skip the
+[.., draft_vocab] work, the costliest part of a step after the layer itself. The KL keeps q's log-probabilities
+for backward and gathers the teacher rows again there (``GatheredKL``).
+
 Metrics per step k: accuracy = P(draft argmax == teacher argmax) over counted entries; conditional accuracy = the
 same among entries whose steps 0 .. k-1 were all right (a chain still alive). Simulated acceptance length, on vLLM's
 scale (vLLM's mean acceptance length = 1 + accepted / drafts, the 1 being the verifier's bonus token):
@@ -52,6 +58,7 @@ if TYPE_CHECKING:
     from eagle3.train.data import Batch
 
 N_STATS = 5  # per TTT step: kl_sum, counted, correct, alive (chain still right before this step), alive_correct
+HEAD_ROWS_BUCKET = 64  # the heads run on a multiple of this many rows (padded_rows); eagle3.train.memory plans it
 
 
 def shift_left(x: torch.Tensor, n: int, fill: float | bool) -> torch.Tensor:
@@ -69,9 +76,33 @@ def ttt_counted(loss_mask: torch.Tensor, seq_ids: torch.Tensor, k: int) -> torch
     return shift_left(loss_mask, 2 + k, False) & same & (seq_ids >= 0)
 
 
-def ttt_in_sample(seq_ids: torch.Tensor, k: int) -> torch.Tensor:
-    """Entries whose step-k guess x_{i+2+k} is still inside their own sample (loss mask not required)."""
-    return (shift_left(seq_ids, 2 + k, -1) == seq_ids) & (seq_ids >= 0)
+def ttt_kept(loss_mask: torch.Tensor, seq_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Per TTT step k, the entries whose logits the loss or the metrics read: counted at step k or at a later step
+    (a chain counted at step j > k is alive only if it was right at step k). [B, T] bool each; keep[k + 1] is a subset
+    of keep[k], and every kept entry has i + 2 + k < T."""
+    keep: list[torch.Tensor] = []
+    later = torch.zeros_like(loss_mask, dtype=torch.bool)
+    for k in reversed(range(steps)):
+        later = later | ttt_counted(loss_mask, seq_ids, k)
+        keep.append(later)
+    return keep[::-1]
+
+
+def teacher_rows(keep: list[torch.Tensor]) -> torch.Tensor:
+    """The row positions whose teacher distribution some kept entry reads (entry i of step k reads f_{i+1+k}):
+    [B, T] bool."""
+    need = torch.zeros_like(keep[0])
+    for k, kept in enumerate(keep):
+        need[:, 1 + k:] |= kept[:, :kept.shape[1] - 1 - k]
+    return need
+
+
+def padded_rows(index: torch.Tensor) -> torch.Tensor:
+    """``index`` [N] (N > 0) padded to a multiple of HEAD_ROWS_BUCKET by repeating its first entry; the first N are
+    the real ones. The heads' shapes then repeat from step to step (a CPU's oneDNN builds and caches one kernel per
+    matmul shape: with a new row count every step, building them cost more than the skipped rows saved)."""
+    pad = -index.numel() % HEAD_ROWS_BUCKET
+    return torch.cat([index, index[:1].expand(pad)]) if pad else index
 
 
 def context_mask(seq_ids: torch.Tensor) -> torch.Tensor:
@@ -81,6 +112,32 @@ def context_mask(seq_ids: torch.Tensor) -> torch.Tensor:
     same = seq_ids[:, :, None] == seq_ids[:, None, :]  # [B, T, T]
     causal = torch.ones(t, t, dtype=torch.bool, device=seq_ids.device).tril()
     return (same & causal)[:, None]
+
+
+class GatheredKL(torch.autograd.Function):
+    """Forward KL(p || q) per entry, p = the teacher rows ``rows`` of ``t_p`` and q = softmax(logits), keeping only q's
+    log-probabilities for backward (the gradient is (q - p) times the entry's weight, as p sums to 1): the teacher rows
+    are gathered again in backward, never kept per step. logits [N, D] (any float dtype), t_p [M, D] float32, t_ent [M]
+    (the teacher's entropies), rows [N] int64 -> (kl [N] float32, logq [N, D] float32 without grad)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, t_p: torch.Tensor, t_ent: torch.Tensor, rows: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.autocast(logits.device.type, enabled=False):  # float32 throughout (bmm would autocast)
+            logq = torch.log_softmax(logits.float(), dim=-1)
+            cross = torch.bmm(t_p[rows].unsqueeze(1), logq.unsqueeze(2)).view(-1)  # [N] sum_d p log q
+        kl = -cross - t_ent[rows]  # cross-entropy(p, q) - entropy(p)
+        ctx.save_for_backward(logq, t_p, rows)
+        ctx.logits_dtype = logits.dtype
+        ctx.mark_non_differentiable(logq)
+        return kl, logq
+
+    @staticmethod
+    def backward(ctx: Any, grad_kl: torch.Tensor, _grad_logq: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, None, None, None]:
+        logq, t_p, rows = ctx.saved_tensors
+        grad = logq.exp().sub_(t_p[rows]).mul_(grad_kl[:, None])  # in place: one [N, D] buffer besides the gather
+        return grad.to(ctx.logits_dtype), None, None, None
 
 
 # ----------------------------------------------------------------------------- the training-time test
@@ -112,61 +169,82 @@ class TrainingTimeTest(nn.Module):
 
     def forward(self, batch: Batch, norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """norm: [K] float, the divisor of step k's KL sum (entries counted in the whole optimizer step, divided by the
-        number of processes because DDP averages gradients). Returns (weighted loss, stats [K, 5] float64)."""
+        number of processes because DDP averages gradients). Returns (weighted loss, stats [K, 5] float64).
+
+        The heads (the draft's lm_head, the teacher's) run only where the loss or the metrics read them: at the
+        entries ``ttt_kept`` names (padding, prompt tokens and the row's tail are skipped), on their rows gathered."""
         device = batch.input_ids.device
         enabled = self.autocast_dtype is not None
         with torch.autocast(device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=enabled):
             with torch.no_grad():
-                t_logp = torch.log_softmax(self.teacher_logits(batch.final).float(), dim=-1)  # [B, T, D]
-                t_arg = t_logp.argmax(-1)  # [B, T]
-                t_p = t_logp.exp()  # [B, T, D] teacher probabilities, once: every TTT step slices this storage
-                t_ent = -(t_p * t_logp).sum(-1)  # [B, T] entropy of the teacher
+                keep = ttt_kept(batch.loss_mask, batch.seq_ids, self.ttt_steps)  # K x [B, T] bool
+                need = teacher_rows(keep)  # [B, T] bool
+                row_of = torch.full(need.shape, -1, dtype=torch.int64, device=device)  # [B, T] -> teacher row
+                needed = need.flatten().nonzero().squeeze(1)  # [M] flat row positions, ascending
+                row_of.view(-1)[needed] = torch.arange(needed.numel(), device=device)
+                final = batch.final.flatten(0, 1)[padded_rows(needed)] if needed.numel() else batch.final[need]
+                t_logp = torch.log_softmax(self.teacher_logits(final).float(), dim=-1)  # [M (padded), D]
+                t_arg = t_logp.argmax(-1)  # [M]
+                t_p = t_logp.exp()  # [M, D] teacher probabilities, once
+                t_ent = -(t_p * t_logp).sum(-1)  # [M] entropy of the teacher
+                del t_logp
             mask = context_mask(batch.seq_ids)  # [B, 1, T, T]
             hidden = self.draft.project_aux(batch.aux.float())  # [B, T, H]; bf16 under autocast on cuda
-            return self._unroll(batch, hidden, mask, t_p, t_arg, t_ent, norm)
+            return self._unroll(batch, hidden, mask, keep, row_of.flatten(), (t_p, t_arg, t_ent), norm)
 
-    def _unroll(self, batch: Batch, hidden: torch.Tensor, mask: torch.Tensor, t_p: torch.Tensor,
-                t_arg: torch.Tensor, t_ent: torch.Tensor, norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-
-        t = batch.input_ids.shape[1]
+    def _unroll(self, batch: Batch, hidden: torch.Tensor, mask: torch.Tensor, keep: list[torch.Tensor],
+                row_of: torch.Tensor, teacher: tuple[torch.Tensor, torch.Tensor, torch.Tensor], norm: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        t_p, t_arg, t_ent = teacher
         cache = KVCache()
-        alive = torch.ones_like(batch.loss_mask)  # [B, T] chain right at every earlier step
+        alive = torch.ones(batch.loss_mask.numel(), dtype=torch.bool, device=hidden.device)  # [B*T] chain right so far
         loss = hidden.new_zeros((), dtype=torch.float32)
         stats = torch.zeros(self.ttt_steps, N_STATS, dtype=torch.float64, device=hidden.device)
         for k in range(self.ttt_steps):
             ids = shift_left(batch.input_ids, 1 + k, 0)  # [B, T] token x_{i+1+k}
-            hidden, logits = self.draft.step(ids, hidden, batch.position_ids + k, mask, cache)
-            n = t - 1 - k  # entries 0 .. n-1 have a teacher f_{i+1+k}
-            if n <= 0:
+            hidden, normed = self.draft.step_features(ids, hidden, batch.position_ids + k, mask, cache)
+            sel = keep[k].flatten().nonzero().squeeze(1)  # flat entries b * T + i, all with i + 2 + k < T
+            if sel.numel() == 0:  # nothing read at this step; the head stays in the graph (DDP expects every
+                loss = loss + 0.0 * self.draft.head(normed[:, :1]).float().sum()  # parameter's gradient) at 0
+                alive.zero_()
                 continue
-            counted = ttt_counted(batch.loss_mask, batch.seq_ids, k)[:, :n]  # [B, n]
-            logq = torch.log_softmax(logits[:, :n].float(), dim=-1)  # [B, n, D]
-            tp = t_p[:, 1 + k:]  # [B, n, D] teacher f_{i+1+k} (a view: no per-step copy kept for backward)
-            # forward KL(p || q) = cross-entropy(p, q) - entropy(p)
-            kl = -(tp * logq).sum(-1) - t_ent[:, 1 + k:]  # [B, n]
-            kl_sum = (kl * counted).sum()
-            loss = loss + self.weights[k] * (self._token_loss(kl, tp, logq) * counted).sum() / norm[k]
+            real = sel.numel()
+            sel = padded_rows(sel)  # [N (padded)]: the copies beyond `real` are never counted
+            logits = self.draft.head(normed.flatten(0, 1)[sel])  # [N, D]
+            rows = row_of[sel + 1 + k]  # [N] teacher f_{i+1+k}: the same packed row (i + 1 + k < T)
+            counted = ttt_counted(batch.loss_mask, batch.seq_ids, k).flatten()[sel]  # [N]
+            counted[real:] = False
+            if self.loss == "kl":
+                kl, logq = GatheredKL.apply(logits, t_p, t_ent, rows)  # [N], [N, D] (logq without grad)
+                token_loss = kl
+            else:
+                logq = torch.log_softmax(logits.float(), dim=-1)  # [N, D]
+                tp = t_p[rows]  # [N, D]
+                kl = -(tp * logq).sum(-1) - t_ent[rows]  # [N] forward KL(p || q) = cross-entropy(p, q) - entropy(p)
+                token_loss = self._token_loss(kl, tp, logq)
+            loss = loss + self.weights[k] * (token_loss * counted).sum() / norm[k]
             with torch.no_grad():
-                right = logq.argmax(-1) == t_arg[:, 1 + k:]  # [B, n]
-                live = alive[:, :n]
-                stats[k, 0] = kl_sum.detach().double()
+                right = logq.argmax(-1) == t_arg[rows]  # [N]
+                live = alive[sel]
+                stats[k, 0] = (kl * counted).sum().double()
                 stats[k, 1] = counted.sum()
                 stats[k, 2] = (right & counted).sum()
                 stats[k, 3] = (live & counted).sum()
                 stats[k, 4] = (live & right & counted).sum()
-                alive[:, :n] &= right & ttt_in_sample(batch.seq_ids, k)[:, :n]
-                alive[:, n:] = False
+                # entries outside keep[k] are counted at no later step: their chain no longer matters
+                alive = torch.zeros_like(alive)
+                alive[sel[:real]] = (live & right)[:real]
         return loss, stats
 
     def _token_loss(self, kl: torch.Tensor, tp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
-        """kl: [B, n] forward KL per entry; tp / logq: [B, n, D] teacher probabilities / draft log-probabilities ->
-        [B, n] the configured loss per entry (TrainConfig.loss)."""
+        """kl: [N] forward KL per entry; tp / logq: [N, D] teacher probabilities / draft log-probabilities ->
+        [N] the configured loss per entry (TrainConfig.loss)."""
         if self.loss == "kl":
             return kl
-        alpha = torch.minimum(tp, logq.exp()).sum(-1)  # [B, n] acceptance rate of sampling q against p: 1 - TV(p, q)
+        alpha = torch.minimum(tp, logq.exp()).sum(-1)  # [N] acceptance rate of sampling q against p: 1 - TV(p, q)
         if self.loss == "lk_alpha":
             return -torch.log(alpha.clamp_min(1e-6))
-        lam = torch.exp(-self.lk_eta * alpha.detach())  # [B, n]: the KL's share, falling as the draft improves
+        lam = torch.exp(-self.lk_eta * alpha.detach())  # [N]: the KL's share, falling as the draft improves
         return lam * kl + (1 - lam) * (1 - alpha)
 
 
