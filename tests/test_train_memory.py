@@ -20,6 +20,7 @@ from eagle3.train.memory import (
     TrainMemoryError,
     cache_kept_by_attention,
     check_memory,
+    head_rows,
     parameter_counts,
     plan_training_memory,
 )
@@ -86,10 +87,11 @@ def test_optimizer_states_equal_the_plan(verifiers, arch):
         assert ("Muon momentum" in items) == (name == "muon")
 
 
-@pytest.mark.parametrize(("rows", "tokens", "steps", "arch"), [
-    (2, 96, 3, "llama-gqa"), (1, 150, 5, "llama-mha"), (3, 40, 1, "llama-gqa"), (2, 64, 3, "llama-3.1"),
-    (2, 96, 3, "mla"), (1, 70, 1, "mla"), (2, 50, 4, "mla-no-q-latent")])
-def test_activations_are_what_autograd_keeps_on_cpu(verifiers, rows, tokens, steps, arch):
+@pytest.mark.parametrize(("rows", "tokens", "steps", "arch", "loss"), [
+    (2, 96, 3, "llama-gqa", "kl"), (1, 150, 5, "llama-mha", "kl"), (3, 40, 1, "llama-gqa", "kl"),
+    (2, 64, 3, "llama-3.1", "kl"), (2, 96, 3, "mla", "kl"), (1, 70, 1, "mla", "kl"),
+    (2, 50, 4, "mla-no-q-latent", "kl"), (2, 96, 3, "llama-gqa", "lk_alpha"), (2, 64, 2, "llama-3.1", "lk_lambda")])
+def test_activations_are_what_autograd_keeps_on_cpu(verifiers, rows, tokens, steps, arch, loss):
     """Every tensor autograd saves in one TTT forward (unique storages, parameters and the batch excluded) against
     the plan's activations less what it counts as alive but not saved (the teacher's argmax/entropy, the last step's
     transients, the boolean context mask, the per-step K/V that SDPA does not keep)."""
@@ -97,7 +99,7 @@ def test_activations_are_what_autograd_keeps_on_cpu(verifiers, rows, tokens, ste
     cfg = DraftConfig.build(VerifierSpec.from_path(verifiers[verifier]), 256, [1, 2, 3], draft_arch)
     torch.manual_seed(0)
     ttt = TrainingTimeTest(Eagle3Draft(cfg), torch.ones(cfg.hidden_size), torch.randn(256, cfg.hidden_size), 1e-5,
-                           steps, 0.8)
+                           steps, 0.8, loss=loss)
     n, h = rows * tokens, cfg.hidden_size
     batch = Batch(torch.randint(0, 256, (rows, tokens)), torch.randn(rows, tokens, 3 * h),
                   torch.randn(rows, tokens, h), torch.ones(rows, tokens, dtype=torch.bool),
@@ -113,13 +115,14 @@ def test_activations_are_what_autograd_keeps_on_cpu(verifiers, rows, tokens, ste
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         ttt(batch, torch.ones(steps))
-    plan = plan_training_memory(cfg, TrainConfig(batch_size=rows, max_seq_len=tokens, ttt_steps=steps, device="cpu"),
-                                1, "cpu")
+    plan = plan_training_memory(cfg, TrainConfig(batch_size=rows, max_seq_len=tokens, ttt_steps=steps, device="cpu",
+                                                 loss=loss), 1, "cpu")
     a = plan.activations
     cache_kept = cache_kept_by_attention(cfg, rows, tokens, "cpu")  # step 0's keys/values SDPA keeps itself
-    teacher_alive = 12 * rows * (tokens - 2)  # the teacher's argmax and entropy (the KL keeps its probabilities)
+    # the teacher's argmax and entropy (its probabilities: kept by the KL's backward; by nothing with the LK losses)
+    teacher_alive = 12 * head_rows(rows, tokens, 0) + (a["teacher probabilities"] if loss != "kl" else 0)
     alive_only = (a["last-step transients"] + a["context mask"] + teacher_alive + a["k/v cache"] - cache_kept)
-    # equal up to the per-step loss bookkeeping (counted masks [B, T - 1 - k] bool, scalars): well under 0.1%
+    # equal up to the per-step loss bookkeeping (scalars, the LK losses' per-entry [N] values): well under 0.1%
     assert abs(plan.activation_bytes - alive_only - sum(saved.values())) <= 1e-3 * sum(saved.values())
 
 

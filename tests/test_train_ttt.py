@@ -158,9 +158,9 @@ def _real_draft(tiny_llama_verifier, seed: int = 0) -> Eagle3Draft:
 
 
 class Recorder(nn.Module):
-    def __init__(self, draft: Eagle3Draft):
+    def __init__(self, draft: Eagle3Draft, keep_graph: bool = False):
         super().__init__()
-        self.draft, self.steps = draft, []
+        self.draft, self.steps, self.keep_graph = draft, [], keep_graph
 
     def project_aux(self, aux):
         return self.draft.project_aux(aux)
@@ -168,7 +168,8 @@ class Recorder(nn.Module):
     def step_features(self, ids, hidden, pos, mask, cache):
         """Records the pre-norm output and the logits at EVERY entry (the TTT computes them only where read)."""
         pre, normed = self.draft.step_features(ids, hidden, pos, mask, cache)
-        self.steps.append((pre.detach(), self.draft.head(normed).detach()))
+        logits = self.draft.head(normed)
+        self.steps.append((pre.detach(), logits if self.keep_graph else logits.detach()))
         return pre, normed
 
     def head(self, normed):
@@ -263,6 +264,45 @@ def test_gathered_kl_value_and_gradient_equal_autograd(dtype):
     assert mine.dtype == dtype and not logq.requires_grad
     torch.testing.assert_close(mine.float(), logits.grad.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
                                atol=1e-6)
+
+
+def test_heads_at_kept_entries_give_the_dense_gradients(tiny_llama_verifier):
+    """Every trainable parameter's gradient through the gathered, padded heads (GatheredKL, the scatter back into the
+    step's rows) equals the gradient of the dense loss over all entries, from the same forward."""
+    batch = _batch([[7, 6, 3], [11]], t=16, token_base=0, h=64)
+    batch.input_ids = torch.randint(0, 8192, batch.input_ids.shape, generator=torch.Generator().manual_seed(5))
+    batch.loss_mask &= torch.arange(16) % 5 != 1
+    batch.counted = torch.stack([ttt_counted(batch.loss_mask, batch.seq_ids, k).sum() for k in range(K)])
+    draft = _real_draft(tiny_llama_verifier)
+    rec = Recorder(draft, keep_graph=True)
+    ttt = _ttt(rec, h=64)
+    norm = batch.counted.float().clamp(min=1)
+    loss, _ = ttt(batch, norm)
+    t_logp = torch.log_softmax(ttt.teacher_logits(batch.final), -1)  # [B, T, D]
+    dense = 0.0
+    for k in range(K):
+        n = 16 - 1 - k
+        tl, logq = t_logp[:, 1 + k:], torch.log_softmax(rec.steps[k][1][:, :n], -1)
+        kl = (tl.exp() * (tl - logq)).sum(-1)
+        dense = dense + ttt.weights[k] * (kl * ttt_counted(batch.loss_mask, batch.seq_ids, k)[:, :n]).sum() / norm[k]
+    params = [p for p in draft.parameters() if p.requires_grad]
+    mine = torch.autograd.grad(loss, params, retain_graph=True)
+    ref = torch.autograd.grad(dense, params)
+    torch.testing.assert_close(loss, dense, rtol=1e-5, atol=1e-6)
+    for a, b in zip(mine, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_rows_shorter_than_the_unroll():
+    """Rows of 4 tokens under 7 TTT steps: steps 2 .. 6 read nothing (no guess inside the row), the loss and the
+    statistics come from steps 0 and 1."""
+    batch = _batch([[4], [3]], t=4)
+    ttt = TrainingTimeTest(nn.Identity(), torch.ones(H), torch.randn(D, H), 1e-6, 7, 0.8)
+    ttt.draft = OracleDraft(batch, ttt.teacher_logits(batch.final), shift=-1)
+    loss, stats = ttt(batch, torch.ones(7))
+    counted = [ttt_counted(batch.loss_mask, batch.seq_ids, k).sum() for k in range(7)]
+    assert stats[:, 1].tolist() == [float(c) for c in counted] and counted[0] > 0 and sum(counted[2:]) == 0
+    assert float(loss.detach()) > 0
 
 
 def test_a_micro_batch_without_counted_entries_still_reaches_every_parameter(tiny_llama_verifier):

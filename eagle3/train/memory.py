@@ -35,13 +35,13 @@ nh / KV heads nkv of head_dim hd; c = compute bytes (2: bf16 autocast on CUDA, 4
                      the heads at most at R_k = B (T - 2 - k) entries (a guess inside the row), rounded up to a
                        multiple of 64 rows (eagle3.train.ttt.HEAD_ROWS_BUCKET): lm_head input
                        c R_k H; log-softmax of the draft logits a R_k D (the LK losses: + the gathered teacher
-                       probabilities a R_k D)
+                       probabilities and q, 2 a R_k D)
                    plus fc's input (CUDA: the bf16 cast of the aux states, c N n_aux H_t; CPU: a float32 copy of a
                    bf16 batch) and the norms before fc (norm_before_fc / fc_norm), autocast's bf16 copies of
                    the trainable matmul weights (CUDA), the teacher probabilities a R_0 D (the teacher runs at
                    the rows some kept entry reads, at most R_0; alive through the unroll and read again by the
-                   KL's backward), and the last step's transients (its logits or their gradient c R_K D + the
-                   KL's float32 buffers 2 a R_K D). The peak is at the end of the forward's last step or the start
+                   KL's backward), and the last step's transients (its logits or their gradient c R_{K-1} D + the
+                   KL's float32 buffers 2 a R_{K-1} D). The peak is at the end of the forward's last step or the start
                    of its backward.
     batch          the micro-batch on the device: aux [N, n_aux H_t] + final [N, H] in the batch dtype, ids/masks;
                    on CPU the whole optimizer step's micro-batches plus the loader's prefetch (2 steps per thread)
@@ -152,10 +152,11 @@ def _step_activations(d: DraftConfig, b: int, t: int, k: int, c: int, cuda: bool
         **_attention_activations(d, b, t, k, c, cuda),
         "mlp": (2 * c * n * h if cuda else F32 * n * h) + 4 * c * n * i_,
         # the heads run at the entries whose guess lies inside the row (eagle3.train.ttt.ttt_kept: at most these)
-        "lm_head input": c * head_rows(b, t, k) * h + 9 * head_rows(b, t, k),  # + the gather index, counted mask
+        # + the gather index, the teacher rows' index (GatheredKL) and the counted mask
+        "lm_head input": c * head_rows(b, t, k) * h + 17 * head_rows(b, t, k),
         "log-softmax": F32 * head_rows(b, t, k) * d.draft_vocab_size,
-        # the LK losses keep the gathered teacher probabilities (the KL's GatheredKL gathers them again in backward)
-        "teacher rows": F32 * head_rows(b, t, k) * d.draft_vocab_size if loss != "kl" else 0,
+        # the LK losses keep the gathered teacher probabilities and q (the KL's GatheredKL keeps neither)
+        "teacher rows": 2 * F32 * head_rows(b, t, k) * d.draft_vocab_size if loss != "kl" else 0,
     }
 
 

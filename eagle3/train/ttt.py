@@ -92,8 +92,11 @@ def teacher_rows(keep: list[torch.Tensor]) -> torch.Tensor:
     """The row positions whose teacher distribution some kept entry reads (entry i of step k reads f_{i+1+k}):
     [B, T] bool."""
     need = torch.zeros_like(keep[0])
+    t = need.shape[1]
     for k, kept in enumerate(keep):
-        need[:, 1 + k:] |= kept[:, :kept.shape[1] - 1 - k]
+        if k >= t - 1:  # no entry of a row this short reaches step k
+            break
+        need[:, 1 + k:] |= kept[:, :t - 1 - k]
     return need
 
 
@@ -133,6 +136,7 @@ class GatheredKL(torch.autograd.Function):
         return kl, logq
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_kl: torch.Tensor, _grad_logq: torch.Tensor | None
                  ) -> tuple[torch.Tensor, None, None, None]:
         logq, t_p, rows = ctx.saved_tensors
@@ -163,7 +167,7 @@ class TrainingTimeTest(nn.Module):
         self.weights = [step_weight_decay**k for k in range(ttt_steps)]
 
     def teacher_logits(self, final: torch.Tensor) -> torch.Tensor:
-        """final: [B, T, H] (BEFORE the verifier's final norm) -> [B, T, draft_vocab]: verifier norm + lm_head rows."""
+        """final: [..., H] (BEFORE the verifier's final norm) -> [..., draft_vocab]: verifier norm + lm_head rows."""
         with torch.autocast(final.device.type, enabled=False):  # the teacher stays float32 under bf16 autocast
             return teacher_logits(final, self.teacher_norm, self.eps, self.teacher_lm_head)
 
@@ -178,6 +182,8 @@ class TrainingTimeTest(nn.Module):
         with torch.autocast(device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=enabled):
             with torch.no_grad():
                 keep = ttt_kept(batch.loss_mask, batch.seq_ids, self.ttt_steps)  # K x [B, T] bool
+                # every step's entries up front: on CUDA each nonzero() waits for the queue, empty here
+                sels = [kept.flatten().nonzero().squeeze(1) for kept in keep]  # flat b * T + i, i + 2 + k < T
                 need = teacher_rows(keep)  # [B, T] bool
                 row_of = torch.full(need.shape, -1, dtype=torch.int64, device=device)  # [B, T] -> teacher row
                 needed = need.flatten().nonzero().squeeze(1)  # [M] flat row positions, ascending
@@ -190,9 +196,9 @@ class TrainingTimeTest(nn.Module):
                 del t_logp
             mask = context_mask(batch.seq_ids)  # [B, 1, T, T]
             hidden = self.draft.project_aux(batch.aux.float())  # [B, T, H]; bf16 under autocast on cuda
-            return self._unroll(batch, hidden, mask, keep, row_of.flatten(), (t_p, t_arg, t_ent), norm)
+            return self._unroll(batch, hidden, mask, sels, row_of.flatten(), (t_p, t_arg, t_ent), norm)
 
-    def _unroll(self, batch: Batch, hidden: torch.Tensor, mask: torch.Tensor, keep: list[torch.Tensor],
+    def _unroll(self, batch: Batch, hidden: torch.Tensor, mask: torch.Tensor, sels: list[torch.Tensor],
                 row_of: torch.Tensor, teacher: tuple[torch.Tensor, torch.Tensor, torch.Tensor], norm: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         t_p, t_arg, t_ent = teacher
@@ -203,7 +209,7 @@ class TrainingTimeTest(nn.Module):
         for k in range(self.ttt_steps):
             ids = shift_left(batch.input_ids, 1 + k, 0)  # [B, T] token x_{i+1+k}
             hidden, normed = self.draft.step_features(ids, hidden, batch.position_ids + k, mask, cache)
-            sel = keep[k].flatten().nonzero().squeeze(1)  # flat entries b * T + i, all with i + 2 + k < T
+            sel = sels[k]
             if sel.numel() == 0:  # nothing read at this step; the head stays in the graph (DDP expects every
                 loss = loss + 0.0 * self.draft.head(normed[:, :1]).float().sum()  # parameter's gradient) at 0
                 alive.zero_()
