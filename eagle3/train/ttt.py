@@ -76,15 +76,13 @@ def ttt_counted(loss_mask: torch.Tensor, seq_ids: torch.Tensor, k: int) -> torch
     return shift_left(loss_mask, 2 + k, False) & same & (seq_ids >= 0)
 
 
-def ttt_kept(loss_mask: torch.Tensor, seq_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """Per TTT step k, the entries whose logits the loss or the metrics read: counted at step k or at a later step
-    (a chain counted at step j > k is alive only if it was right at step k). [B, T] bool each; keep[k + 1] is a subset
-    of keep[k], and every kept entry has i + 2 + k < T."""
-    keep: list[torch.Tensor] = []
-    later = torch.zeros_like(loss_mask, dtype=torch.bool)
-    for k in reversed(range(steps)):
-        later = later | ttt_counted(loss_mask, seq_ids, k)
-        keep.append(later)
+def ttt_kept(counted: list[torch.Tensor]) -> list[torch.Tensor]:
+    """counted: per TTT step k, ``ttt_counted(.., k)`` -> per step k, the entries whose logits the loss or the metrics
+    read: counted at step k or at a later step (a chain counted at step j > k is alive only if it was right at step
+    k). [B, T] bool each; keep[k + 1] is a subset of keep[k], and every kept entry has i + 2 + k < T."""
+    keep = [counted[-1]]
+    for step in reversed(counted[:-1]):
+        keep.append(keep[-1] | step)
     return keep[::-1]
 
 
@@ -101,7 +99,7 @@ def teacher_rows(keep: list[torch.Tensor]) -> torch.Tensor:
 
 
 def padded_rows(index: torch.Tensor) -> torch.Tensor:
-    """``index`` [N] (N > 0) padded to a multiple of HEAD_ROWS_BUCKET by repeating its first entry; the first N are
+    """``index`` [N] padded to a multiple of HEAD_ROWS_BUCKET by repeating its first entry; the first N are
     the real ones. The heads' shapes then repeat from step to step (a CPU's oneDNN builds and caches one kernel per
     matmul shape: with a new row count every step, building them cost more than the skipped rows saved)."""
     pad = -index.numel() % HEAD_ROWS_BUCKET
@@ -181,14 +179,15 @@ class TrainingTimeTest(nn.Module):
         enabled = self.autocast_dtype is not None
         with torch.autocast(device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=enabled):
             with torch.no_grad():
-                keep = ttt_kept(batch.loss_mask, batch.seq_ids, self.ttt_steps)  # K x [B, T] bool
+                counted = [ttt_counted(batch.loss_mask, batch.seq_ids, k) for k in range(self.ttt_steps)]
+                keep = ttt_kept(counted)  # K x [B, T] bool
                 # every step's entries up front: on CUDA each nonzero() waits for the queue, empty here
                 sels = [kept.flatten().nonzero().squeeze(1) for kept in keep]  # flat b * T + i, i + 2 + k < T
                 need = teacher_rows(keep)  # [B, T] bool
                 row_of = torch.full(need.shape, -1, dtype=torch.int64, device=device)  # [B, T] -> teacher row
                 needed = need.flatten().nonzero().squeeze(1)  # [M] flat row positions, ascending
                 row_of.view(-1)[needed] = torch.arange(needed.numel(), device=device)
-                final = batch.final.flatten(0, 1)[padded_rows(needed)] if needed.numel() else batch.final[need]
+                final = batch.final.flatten(0, 1)[padded_rows(needed)]
                 t_logp = torch.log_softmax(self.teacher_logits(final).float(), dim=-1)  # [M (padded), D]
                 t_arg = t_logp.argmax(-1)  # [M]
                 t_p = t_logp.exp()  # [M, D] teacher probabilities, once
@@ -196,10 +195,12 @@ class TrainingTimeTest(nn.Module):
                 del t_logp
             mask = context_mask(batch.seq_ids)  # [B, 1, T, T]
             hidden = self.draft.project_aux(batch.aux.float())  # [B, T, H]; bf16 under autocast on cuda
-            return self._unroll(batch, hidden, mask, sels, row_of.flatten(), (t_p, t_arg, t_ent), norm)
+            return self._unroll(batch, hidden, mask, [c.flatten() for c in counted], sels, row_of.flatten(),
+                                (t_p, t_arg, t_ent), norm)
 
-    def _unroll(self, batch: Batch, hidden: torch.Tensor, mask: torch.Tensor, sels: list[torch.Tensor],
-                row_of: torch.Tensor, teacher: tuple[torch.Tensor, torch.Tensor, torch.Tensor], norm: torch.Tensor
+    def _unroll(self, batch: Batch, hidden: torch.Tensor, mask: torch.Tensor, counted_steps: list[torch.Tensor],
+                sels: list[torch.Tensor], row_of: torch.Tensor,
+                teacher: tuple[torch.Tensor, torch.Tensor, torch.Tensor], norm: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         t_p, t_arg, t_ent = teacher
         cache = KVCache()
@@ -209,16 +210,12 @@ class TrainingTimeTest(nn.Module):
         for k in range(self.ttt_steps):
             ids = shift_left(batch.input_ids, 1 + k, 0)  # [B, T] token x_{i+1+k}
             hidden, normed = self.draft.step_features(ids, hidden, batch.position_ids + k, mask, cache)
-            sel = sels[k]
-            if sel.numel() == 0:  # nothing read at this step; the head stays in the graph (DDP expects every
-                loss = loss + 0.0 * self.draft.head(normed[:, :1]).float().sum()  # parameter's gradient) at 0
-                alive.zero_()
-                continue
-            real = sel.numel()
-            sel = padded_rows(sel)  # [N (padded)]: the copies beyond `real` are never counted
+            real = sels[k].numel()
+            sel = padded_rows(sels[k])  # [N (padded)]: the copies beyond `real` are never counted
+            # N may be 0: the head still runs (on no rows), so every parameter gets its (zero) gradient, as DDP expects
             logits = self.draft.head(normed.flatten(0, 1)[sel])  # [N, D]
             rows = row_of[sel + 1 + k]  # [N] teacher f_{i+1+k}: the same packed row (i + 1 + k < T)
-            counted = ttt_counted(batch.loss_mask, batch.seq_ids, k).flatten()[sel]  # [N]
+            counted = counted_steps[k][sel]  # [N]
             counted[real:] = False
             if self.loss == "kl":
                 kl, logq = GatheredKL.apply(logits, t_p, t_ent, rows)  # [N], [N, D] (logq without grad)
