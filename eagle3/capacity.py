@@ -539,6 +539,7 @@ def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: Verifie
     if regenerate is not None and regenerate.enabled:
         prompt, turns = assistant_layout(prepared.dataset_path)
         lengths = np.minimum(prepared.max_seq_len, prompt + turns * regenerate.max_new_tokens)  # [N] upper bound
+        lengths = np.repeat(lengths, regenerate.answers_per_conversation)  # each answer its own conversation
         regen_tokens = int((lengths - np.minimum(prompt, lengths)).sum())
     plan = plan_store(verifier.path, aux, store, lengths, dest, cfg, prepared.max_seq_len)
     summary = plan.summary()

@@ -1,6 +1,7 @@
 """The regenerate stage on the bundled verifier through real vLLM (CPU build): on-policy answers turn by turn,
-rows that cannot be regenerated counted and named, an OOM halving the batch with the engine kept, and kill -9 in
-the middle of a run followed by a rerun giving every row exactly once."""
+rows that cannot be regenerated counted and named, an OOM halving the batch with the engine kept, kill -9 in
+the middle of a run followed by a rerun giving every row exactly once, and several sampled answers per
+conversation."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 from helpers import BUNDLED_DATA, REPO
 
 from eagle3.prepare import PrepareConfig, prepare_data
-from eagle3.regenerate.config import RegenerateConfig
+from eagle3.regenerate.config import RegenerateConfig, request_seed
 from eagle3.regenerate.stage import JOURNAL, RegenerateError, _finish, read_journal, regenerate
 from eagle3.regenerate.vllm_worker import strip_reasoning
 from eagle3.support.gpu import device_lock
@@ -75,21 +76,56 @@ def test_strip_reasoning_blocks():
 
 def test_dropped_rows_are_counted_and_named(tmp_path):
     rows = [{"index": i, "messages": []} for i in (3, 5, 8)]
-    journal = {3: {"index": 3, "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
-                   "turns": 1, "tokens": 4, "cut_turns": 1},
-               5: {"index": 5, "dropped": "empty_response", "detail": "turn 0: the verifier's answer is empty"},
-               8: {"index": 8, "dropped": "template_error", "detail": "TemplateError: boom"}}
+    journal = {(3, 0): {"index": 3, "messages": [{"role": "user", "content": "q"},
+                                                 {"role": "assistant", "content": "a"}],
+                        "turns": 1, "tokens": 4, "cut_turns": 1},
+               (5, 0): {"index": 5, "dropped": "empty_response", "detail": "turn 0: the verifier's answer is empty"},
+               (8, 0): {"index": 8, "dropped": "template_error", "detail": "TemplateError: boom"}}
     r = _finish(_regen_cfg(), rows, journal, 0, {"engine_start_seconds": 1.0, "generate_seconds": 2.0,
                                                   "tokens_generated": 4}, tmp_path, "float32")
     assert (r.rows_in, r.rows_written, r.rows_dropped, r.turns_cut) == (3, 1, 2, 1)
     assert r.rows_dropped_by_reason == {"empty_response": 1, "template_error": 1}
     named = json.loads(Path(r.stats_path).read_text())["dropped"]
-    assert named["template_error"]["first"] == [{"index": 8, "detail": "TemplateError: boom"}]
+    assert named["template_error"]["first"] == [{"index": 8, "answer": 0, "detail": "TemplateError: boom"}]
     lines = Path(r.conversations_path).read_text().splitlines()
     assert [json.loads(x)["source_index"] for x in lines] == [3]
     with pytest.raises(RegenerateError, match="no conversation could be regenerated"):
         _finish(_regen_cfg(), rows[1:], journal, 0, {"engine_start_seconds": 0, "generate_seconds": 0,
                                                       "tokens_generated": 0}, tmp_path / "none", "float32")
+
+
+def test_several_answers_need_a_temperature_and_keep_the_first_answers_seeds(tmp_path):
+    with pytest.raises(ValueError, match="answers_per_conversation 2 with temperature 0"):
+        _regen_cfg(answers_per_conversation=2)
+    assert request_seed(7, 5, 1, 0) == 7 + 5 * 1000 + 1  # answer 0: the seeds journals were written with before
+    seeds = {request_seed(0, i, t, a) for i in range(2000) for t in range(3) for a in range(3)}
+    assert len(seeds) == 2000 * 3 * 3
+    journal = tmp_path / JOURNAL  # a journal written before answers existed reads as answer 0
+    journal.write_text(json.dumps({"index": 4, "dropped": "empty_response"}) + "\n"
+                       + json.dumps({"index": 4, "answer": 1, "dropped": "template_error"}) + "\n")
+    assert {k: v["dropped"] for k, v in read_journal(journal).items()} == {(4, 0): "empty_response",
+                                                                           (4, 1): "template_error"}
+
+
+@pytest.mark.slow
+def test_several_sampled_answers_per_conversation_each_its_own_conversation(bundled_verifier, tmp_path):
+    src = _conversations(tmp_path / "chats.jsonl", 3)  # 3 one-turn chats + 2 two-turn chats
+    prepare_cfg, prepared = _prepare(tmp_path, bundled_verifier, src)
+    cfg = _regen_cfg(answers_per_conversation=2, temperature=1.0)
+    r = regenerate(cfg, prepared, prepare_cfg, describe_verifier(bundled_verifier), tmp_path / "regen")
+    assert (r.rows_in, r.rows_written, r.turns_generated) == (10, 10, 2 * (3 + 2 * 2))
+    assert r.sampling["answers_per_conversation"] == 2
+    out = [json.loads(x) for x in Path(r.conversations_path).read_text().splitlines()]
+    assert [(o["source_index"], o["answer"]) for o in out] == [(i, a) for i in range(5) for a in range(2)]
+    answers = [[m["content"] for m in o["messages"] if m["role"] == "assistant"] for o in out]
+    assert sum(answers[2 * i] != answers[2 * i + 1] for i in range(5)) >= 4  # each answer its own sample
+    asked = [[m for m in o["messages"] if m["role"] != "assistant"] for o in out]
+    assert all(asked[2 * i] == asked[2 * i + 1] for i in range(5))  # the same prompts (system and user turns)
+    again = regenerate(cfg, prepared, prepare_cfg, describe_verifier(bundled_verifier), tmp_path / "regen")
+    assert again.rows_resumed == 10 and again.fingerprint == r.fingerprint  # resumed by (row, answer): nothing redone
+    prepared_again = prepare_data(prepare_cfg.model_copy(update={"sources": [r.conversations_path],
+                                                                  "format": "openai"}), tmp_path / "prepared-regen")
+    assert prepared_again.samples == 10
 
 
 @pytest.mark.slow
@@ -131,7 +167,7 @@ def test_kill_9_mid_regeneration_then_rerun_gives_every_row_exactly_once(bundled
     out = tmp_path / "regen"
     code = textwrap.dedent(f"""
         from eagle3.prepare import PrepareConfig, PreparedData
-        from eagle3.regenerate.config import RegenerateConfig
+        from eagle3.regenerate.config import RegenerateConfig, request_seed
         from eagle3.regenerate.stage import regenerate
         from eagle3.support.verifier import describe_verifier
         regenerate(RegenerateConfig.model_validate({_regen_cfg(batch_rows=2).model_dump()!r}),

@@ -5,10 +5,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eagle3.engine.settings import EngineSettings
 from eagle3.support.settings import INLINE, RUNTIME
+
+
+def request_seed(seed: int, index: int, turn: int, answer: int) -> int:
+    """The sampling seed of one request: source row ``index``, assistant ``turn``, ``answer`` (of
+    answers_per_conversation). Answer 0 keeps the seeds journals were written with before answers existed."""
+    return seed + index * 1000 + turn + answer * 2**40
 
 
 class RegenerateConfig(BaseModel):
@@ -24,7 +30,11 @@ class RegenerateConfig(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (fraction).")
     max_new_tokens: int = Field(512, gt=0, description="Longest regenerated assistant turn, in tokens; turns cut "
                                 "there are kept and counted.")
-    seed: int = Field(0, description="Sampling seed (per request: seed + row index * 1000 + turn).")
+    seed: int = Field(0, description="Sampling seed (per request: request_seed below).")
+    answers_per_conversation: int = Field(
+        1, ge=1, description="Answers the verifier writes for each kept conversation, in conversations: each is "
+        "its own training conversation (same prompts, its own seed). More than 1 multiplies the training data "
+        "without new prompts and needs temperature > 0 (greedy answers would be copies).")
     reasoning: Literal["keep", "strip"] = Field(
         "keep", description="Thinking models: keep the reasoning block in the regenerated turn, or strip it (the "
         "text from reasoning_start to reasoning_end).")
@@ -46,6 +56,13 @@ class RegenerateConfig(BaseModel):
                                "whose prompt leaves no room are dropped and named.")
     engine: EngineSettings = Field(default_factory=EngineSettings, description="The vLLM engine (the pipeline's "
                                    "engine settings).", json_schema_extra=INLINE)
+
+    @model_validator(mode="after")
+    def _sampled_answers(self) -> RegenerateConfig:
+        if self.answers_per_conversation > 1 and self.temperature == 0:
+            raise ValueError(f"answers_per_conversation {self.answers_per_conversation} with temperature 0: greedy "
+                             "answers to the same conversation are copies; set temperature > 0 (for example 0.8)")
+        return self
 
     def with_smaller_batches(self, scale: float) -> RegenerateConfig:
         """The same regeneration at ``scale`` (1/2, 1/4, ...) of the batch of rows, floored at min_batch_rows (an

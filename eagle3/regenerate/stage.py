@@ -9,7 +9,9 @@ sources and normalised the same way. Every assistant turn is regenerated through
 (eagle3/regenerate/vllm_worker.py, in the vLLM interpreter, inside the device guard), turn by turn (a later turn
 sees the regenerated earlier ones; system prompts kept). Finished rows land in ``journal.jsonl`` batch by batch;
 a rerun continues from it, so a kill -9 loses at most the batch in flight and every row ends up exactly once.
-The output is ``conversations.jsonl`` (OpenAI messages, the prepared order) for the prepare stage to read.
+The output is ``conversations.jsonl`` (OpenAI messages, the prepared order) for the prepare stage to read. With
+``answers_per_conversation`` N > 1 (sampled, temperature > 0) every kept row is regenerated N times, each answer
+its own conversation (its own seed), the N side by side: more training data from the same prompts.
 
 Verifier loads (the capacity plan counts them: eagle3.capacity.verifier_loads). This stage's engine session also
 generates validation's verifier-alone baseline when the engines match (eagle3.validate.baseline), so validation
@@ -71,7 +73,8 @@ class RegeneratedData(Artifact):
     conversations_path: str = Field(description="conversations.jsonl: OpenAI-format rows, the prepared order.")
     vllm_log: str | None = Field(description="vLLM's whole output of the last invocation that generated.")
     stats_path: str = Field(description="stats.json: the counts below plus the dropped rows by name.")
-    rows_in: int = Field(description="Conversations to regenerate (the rows the prepare stage kept).")
+    rows_in: int = Field(description="Conversations to write: the rows the prepare stage kept x "
+                         "answers_per_conversation.")
     rows_written: int = Field(description="Conversations written with every assistant turn regenerated.")
     rows_dropped: int = Field(description="Conversations dropped (template error, prompt too long, empty answer).")
     rows_dropped_by_reason: dict[str, int] = Field(description="rows_dropped by reason.")
@@ -83,7 +86,8 @@ class RegeneratedData(Artifact):
     engine_start_seconds: float = Field(description="vLLM engine start (the verifier load) of the last invocation.")
     generate_seconds: float = Field(description="Generation wall time of the last invocation, seconds.")
     rows_resumed: int = Field(description="Rows already in the journal from an interrupted run (not redone).")
-    sampling: dict[str, Any] = Field(description="temperature, top_p, max_new_tokens (tokens), seed, reasoning.")
+    sampling: dict[str, Any] = Field(description="temperature, top_p, max_new_tokens (tokens), seed, "
+                                     "answers_per_conversation, reasoning, dtype.")
     baselines_dir: str | None = Field(None, description="Validation's verifier-alone baselines this stage's engine "
                                       "sessions generated (eagle3.validate.baseline), by request key.")
 
@@ -113,9 +117,10 @@ def _baseline_job(cfg: RegenerateConfig, validation: ValidateConfig | None, prep
     return {"request": request.model_dump(), "out": str(baseline_path(out_dir / BASELINES, request))}
 
 
-def read_journal(path: Path) -> dict[int, dict]:
-    """index -> the latest journal line of that row; a torn last line (a kill inside the write) is ignored."""
-    out: dict[int, dict] = {}
+def read_journal(path: Path) -> dict[tuple[int, int], dict]:
+    """(source row index, answer) -> the latest journal line of that answer; a torn last line (a kill inside the
+    write) is ignored. Lines without an answer (journals written before answers_per_conversation) are answer 0."""
+    out: dict[tuple[int, int], dict] = {}
     if not path.is_file():
         return out
     for line in path.read_bytes().split(b"\n"):
@@ -123,7 +128,7 @@ def read_journal(path: Path) -> dict[int, dict]:
             continue
         try:
             entry = json.loads(line)
-            out[int(entry["index"])] = entry
+            out[int(entry["index"]), int(entry.get("answer", 0))] = entry
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
             continue
     return out
@@ -166,25 +171,32 @@ def regenerate(cfg: RegenerateConfig, prepared: PreparedData, prepare_cfg: Prepa
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     journal = out_dir / JOURNAL
-    rows = selected_conversations(prepared, prepare_cfg)
+    rows = [{**r, "answer": j} for r in selected_conversations(prepared, prepare_cfg)
+            for j in range(cfg.answers_per_conversation)]  # a conversation's answers side by side
     spec = verifier.spec()
     dtype = describe_compute_dtype(cfg.dtype, spec.dtype, "auto")
     stats: dict[str, Any] = {"engine_start_seconds": 0.0, "generate_seconds": 0.0, "tokens_generated": 0}
     resumed = len(read_journal(journal))
-    if any(r["index"] not in read_journal(journal) for r in rows):
+    if any(_key(r) not in read_journal(journal) for r in rows):
         # decide what is left UNDER the guard: a run that waited for it must see what the previous holder wrote
         with (guard or file_lock_guard(logger=log))(cuda_device_ids(count=cfg.engine.tensor_parallel_size)) as fds:
             done = read_journal(journal)
-            todo = [r for r in rows if r["index"] not in done]
+            todo = [r for r in rows if _key(r) not in done]
             resumed = len(rows) - len(todo)
-            log.info("[regenerate] %d conversations (%d already in %s); temperature %s, top_p %s, max_new_tokens "
-                     "%d, batches of %d rows, dtype %s", len(rows), resumed, journal, cfg.temperature, cfg.top_p,
-                     cfg.max_new_tokens, cfg.batch_rows, dtype)
+            log.info("[regenerate] %d conversations (%d already in %s)%s; temperature %s, top_p %s, "
+                     "max_new_tokens %d, batches of %d rows, dtype %s", len(rows), resumed, journal,
+                     f" = {len(rows) // cfg.answers_per_conversation} x {cfg.answers_per_conversation} answers"
+                     if cfg.answers_per_conversation > 1 else "", cfg.temperature, cfg.top_p, cfg.max_new_tokens,
+                     cfg.batch_rows, dtype)
             if todo:
                 baseline = _baseline_job(cfg, validation, prepare_cfg, dtype, out_dir)
                 stats.update(_run_driver(cfg, todo, len(rows), prepare_cfg, verifier, dtype, out_dir, fds,
                                          on_progress, inject_oom_batches, baseline))
     return _finish(cfg, rows, read_journal(journal), resumed, stats, out_dir, dtype)
+
+
+def _key(row: dict) -> tuple[int, int]:
+    return row["index"], row.get("answer", 0)
 
 
 def _run_driver(cfg: RegenerateConfig, todo: list[dict], total: int, prepare_cfg: PrepareConfig,
@@ -228,20 +240,20 @@ def _run_driver(cfg: RegenerateConfig, todo: list[dict], total: int, prepare_cfg
     return json.loads((out_dir / "driver_stats.json").read_text())
 
 
-def _finish(cfg: RegenerateConfig, rows: list[dict], journal: dict[int, dict], resumed: int, stats: dict,
-            out_dir: Path, dtype: str) -> RegeneratedData:
+def _finish(cfg: RegenerateConfig, rows: list[dict], journal: dict[tuple[int, int], dict], resumed: int,
+            stats: dict, out_dir: Path, dtype: str) -> RegeneratedData:
     written, dropped = [], {}
     turns = cut = tokens = 0
     for r in rows:
-        entry = journal[r["index"]]
+        entry = journal[_key(r)]
         if "messages" in entry:
-            written.append({"messages": entry["messages"], "source_index": r["index"]})
+            written.append({"messages": entry["messages"], "source_index": r["index"], "answer": _key(r)[1]})
             turns, cut, tokens = turns + entry["turns"], cut + entry["cut_turns"], tokens + entry["tokens"]
         else:
             d = dropped.setdefault(entry["dropped"], {"count": 0, "first": []})
             d["count"] += 1
             if len(d["first"]) < _FIRST_NAMED:
-                d["first"].append({"index": r["index"], "detail": entry.get("detail", "")})
+                d["first"].append({"index": r["index"], "answer": _key(r)[1], "detail": entry.get("detail", "")})
     if not written:
         raise RegenerateError(f"no conversation could be regenerated: {json.dumps(dropped)[:2000]}")
     for reason, d in dropped.items():
@@ -251,7 +263,8 @@ def _finish(cfg: RegenerateConfig, rows: list[dict], journal: dict[int, dict], r
                                       "".join(json.dumps(w, ensure_ascii=False) + "\n" for w in written))
     gen_s = float(stats["generate_seconds"])
     sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
-                "seed": cfg.seed, "reasoning": cfg.reasoning, "dtype": dtype}
+                "seed": cfg.seed, "answers_per_conversation": cfg.answers_per_conversation,
+                "reasoning": cfg.reasoning, "dtype": dtype}
     summary = {"rows_in": len(rows), "rows_written": len(written), "rows_dropped": len(rows) - len(written),
                "rows_dropped_by_reason": {k: v["count"] for k, v in dropped.items()}, "turns_generated": turns,
                "turns_cut": cut, "tokens_generated": tokens,

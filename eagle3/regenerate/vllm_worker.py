@@ -4,7 +4,8 @@ Runs in the vLLM environment (imports vllm, transformers and eagle3 modules that
 ``eagle3.regenerate.stage`` through the engine layer (``eagle3.engine.job.run_engine_job``): its own process group,
 holding the host's GPU lock.
 
-Job keys: verifier, work_file (jsonl of {"index", "messages"}: the conversations to do), journal (jsonl the driver
+Job keys: verifier, work_file (jsonl of {"index", "answer", "messages"}: the conversations to do; answer = which of
+the row's answers_per_conversation), journal (jsonl the driver
 appends finished rows to), stats_file, chat (eagle3.chat.encoder.ChatSettings: the prepare stage's tokenizer and
 template), dtype, max_model_len (tokens), engine (the engine settings' ``vllm.LLM`` arguments), temperature,
 top_p, max_new_tokens, seed, reasoning ("keep" | "strip"), reasoning_start, reasoning_end, batch_rows, min_batch_rows, inject_oom_batches (test
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 
 from eagle3.chat.errors import BadRow
+from eagle3.regenerate.config import request_seed
 from eagle3.support.io import atomic_write_json
 
 END_OF_TURN_RESERVE = 8  # tokens of max_model_len kept free after a regenerated answer (end of turn + newline)
@@ -59,7 +61,8 @@ def _assistant_turns(messages: list[dict]) -> list[int]:
 
 
 def regenerate_batch(llm, encoder, rows: list[dict], job: dict, stats: dict) -> list[dict]:
-    """Regenerate every assistant turn of ``rows`` ({"index", "messages"}), turn by turn. Returns journal lines.
+    """Regenerate every assistant turn of ``rows`` ({"index", "answer", "messages"}), turn by turn. Returns journal
+    lines.
 
     ``stats["tokens_generated"]`` grows only when the whole batch is done: a batch that runs out of memory at a later
     turn is redone, and the tokens of its discarded turns are not kept. ``stats["generate_seconds"]`` is all the time
@@ -68,13 +71,14 @@ def regenerate_batch(llm, encoder, rows: list[dict], job: dict, stats: dict) -> 
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    state = {r["index"]: {"messages": [dict(m) for m in r["messages"]], "turns": _assistant_turns(r["messages"]),
-                          "done": 0, "tokens": 0, "cut": 0, "dropped": None} for r in rows}
+    state = {(r["index"], r.get("answer", 0)): {"messages": [dict(m) for m in r["messages"]],
+                                                "turns": _assistant_turns(r["messages"]), "done": 0, "tokens": 0,
+                                                "cut": 0, "dropped": None} for r in rows}
     for s in state.values():  # trailing user turns after the last answer have nothing to regenerate
         s["messages"] = s["messages"][: s["turns"][-1] + 1] if s["turns"] else s["messages"]
     for _ in range(max((len(s["turns"]) for s in state.values()), default=0)):
         prompts, params, who = [], [], []
-        for index, s in state.items():
+        for key, s in state.items():
             if s["dropped"] or s["done"] >= len(s["turns"]):
                 continue
             at = s["turns"][s["done"]]
@@ -93,15 +97,15 @@ def regenerate_batch(llm, encoder, rows: list[dict], job: dict, stats: dict) -> 
             prompts.append(TokensPrompt(prompt_token_ids=ids))
             params.append(SamplingParams(temperature=float(job["temperature"]), top_p=float(job["top_p"]),
                                          max_tokens=min(int(job["max_new_tokens"]), room),
-                                         seed=int(job["seed"]) + index * 1000 + s["done"]))
-            who.append(index)
+                                         seed=request_seed(int(job["seed"]), *key, s["done"])))
+            who.append(key)
         if not prompts:
             break
         t0 = time.monotonic()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         stats["generate_seconds"] += time.monotonic() - t0
-        for index, out in zip(who, outputs):
-            s, o = state[index], out.outputs[0]
+        for key, out in zip(who, outputs):
+            s, o = state[key], out.outputs[0]
             text = o.text
             if job["reasoning"] == "strip":
                 text = strip_reasoning(text, job["reasoning_start"], job["reasoning_end"])
@@ -115,12 +119,13 @@ def regenerate_batch(llm, encoder, rows: list[dict], job: dict, stats: dict) -> 
             s["messages"][s["turns"][s["done"]]] = {"role": "assistant", "content": text}
             s["done"] += 1
     lines = []
-    for index, s in state.items():
+    for (index, answer), s in state.items():
         if s["dropped"] or not s["turns"]:
-            lines.append({"index": index, "dropped": (s["dropped"] or {"reason": "no_assistant_turn"})["reason"],
+            lines.append({"index": index, "answer": answer,
+                          "dropped": (s["dropped"] or {"reason": "no_assistant_turn"})["reason"],
                           "detail": (s["dropped"] or {}).get("detail", "")})
         else:
-            lines.append({"index": index, "messages": s["messages"], "turns": len(s["turns"]),
+            lines.append({"index": index, "answer": answer, "messages": s["messages"], "turns": len(s["turns"]),
                           "tokens": s["tokens"], "cut_turns": s["cut"]})
     stats["tokens_generated"] += sum(s["tokens"] for s in state.values())
     return lines
