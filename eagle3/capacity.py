@@ -513,6 +513,18 @@ class CapacityPlan(Artifact):
         return [p for p in [file_problem(self.plan_path, sha256=self.plan_sha256)] if p]
 
 
+def regenerated_lengths(prompt: np.ndarray, turns: np.ndarray, max_seq_len: int,
+                        regenerate: RegenerateConfig) -> tuple[np.ndarray, int]:
+    """Upper bounds before regeneration: every conversation's length in tokens (every assistant turn at
+    max_new_tokens, cut at max_seq_len), each answer of answers_per_conversation its own conversation, and the
+    tokens generated in all. ``prompt`` / ``turns``: per kept row, its tokens before the first answer and its
+    assistant turns (``assistant_layout``)."""
+    answers = regenerate.answers_per_conversation
+    prompt, turns = np.repeat(prompt, answers), np.repeat(turns, answers)  # the answers of a row side by side
+    lengths = np.minimum(max_seq_len, prompt + turns * regenerate.max_new_tokens)
+    return lengths, int((lengths - np.minimum(prompt, lengths)).sum())
+
+
 def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: VerifierIdentity, prepared: PreparedData,
                   dest: str | os.PathLike, out_dir: str | Path,
                   regenerate: RegenerateConfig | None = None, training: TrainingShape | None = None,
@@ -537,10 +549,8 @@ def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: Verifie
     lengths: str | np.ndarray = prepared.dataset_path
     regen_s = regen_tokens = None
     if regenerate is not None and regenerate.enabled:
-        prompt, turns = assistant_layout(prepared.dataset_path)
-        lengths = np.minimum(prepared.max_seq_len, prompt + turns * regenerate.max_new_tokens)  # [N] upper bound
-        lengths = np.repeat(lengths, regenerate.answers_per_conversation)  # each answer its own conversation
-        regen_tokens = int((lengths - np.minimum(prompt, lengths)).sum())
+        lengths, regen_tokens = regenerated_lengths(*assistant_layout(prepared.dataset_path), prepared.max_seq_len,
+                                                    regenerate)
     plan = plan_store(verifier.path, aux, store, lengths, dest, cfg, prepared.max_seq_len)
     summary = plan.summary()
     total_s = plan.estimated_seconds

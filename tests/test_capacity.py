@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import datasets
+import numpy as np
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ from eagle3.capacity import (
     CapacityError,
     plan_store,
     plan_training_time,
+    regenerated_lengths,
     sample_lengths,
     store_file_bytes,
 )
@@ -104,6 +106,18 @@ def test_lengths_are_read_from_the_prepared_dataset(kimi_config, tmp_path):
     from_dir = plan_store(kimi_config, KIMI_AUX, "bfloat16", tmp_path / "dataset", tmp_path, CapacityConfig(), 256)
     from_list = plan_store(kimi_config, KIMI_AUX, "bfloat16", [3, 17, 0, 250], tmp_path, CapacityConfig(), 256)
     assert from_dir.total_bytes == from_list.total_bytes and from_dir.total_tokens == 270
+
+
+def test_regeneration_upper_bound_counts_every_answer_of_every_row():
+    from eagle3.regenerate.config import RegenerateConfig
+
+    prompt, turns = np.array([10, 300, 40]), np.array([1, 1, 2])  # tokens before the first answer, assistant turns
+    one = RegenerateConfig(max_new_tokens=100)
+    lengths, tokens = regenerated_lengths(prompt, turns, 256, one)
+    assert lengths.tolist() == [110, 256, 240] and tokens == 100 + 0 + 200  # the long prompt leaves no room
+    two = RegenerateConfig(max_new_tokens=100, answers_per_conversation=2, temperature=0.8)
+    lengths, tokens = regenerated_lengths(prompt, turns, 256, two)
+    assert lengths.tolist() == [110, 110, 256, 256, 240, 240] and tokens == 2 * 300
 
 
 def test_refuses_when_the_store_cannot_fit(kimi_config, tmp_path):

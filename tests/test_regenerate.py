@@ -97,9 +97,10 @@ def test_dropped_rows_are_counted_and_named(tmp_path):
 def test_several_answers_need_a_temperature_and_keep_the_first_answers_seeds(tmp_path):
     with pytest.raises(ValueError, match="answers_per_conversation 2 with temperature 0"):
         _regen_cfg(answers_per_conversation=2)
-    assert request_seed(7, 5, 1, 0) == 7 + 5 * 1000 + 1  # answer 0: the seeds journals were written with before
-    seeds = {request_seed(0, i, t, a) for i in range(2000) for t in range(3) for a in range(3)}
-    assert len(seeds) == 2000 * 3 * 3
+    assert request_seed(7, index=5, turn=1, answer=0) == 7 + 5 * 1000 + 1  # answer 0: the seeds of older journals
+    for i in range(2000):  # a turn's answers sample with different seeds, also in the low 32 bits vLLM keeps
+        for t in range(3):
+            assert len({request_seed(0, index=i, turn=t, answer=a) % 2**32 for a in range(4)}) == 4
     journal = tmp_path / JOURNAL  # a journal written before answers existed reads as answer 0
     journal.write_text(json.dumps({"index": 4, "dropped": "empty_response"}) + "\n"
                        + json.dumps({"index": 4, "answer": 1, "dropped": "template_error"}) + "\n")
@@ -167,7 +168,7 @@ def test_kill_9_mid_regeneration_then_rerun_gives_every_row_exactly_once(bundled
     out = tmp_path / "regen"
     code = textwrap.dedent(f"""
         from eagle3.prepare import PrepareConfig, PreparedData
-        from eagle3.regenerate.config import RegenerateConfig, request_seed
+        from eagle3.regenerate.config import RegenerateConfig
         from eagle3.regenerate.stage import regenerate
         from eagle3.support.verifier import describe_verifier
         regenerate(RegenerateConfig.model_validate({_regen_cfg(batch_rows=2).model_dump()!r}),

@@ -3,6 +3,7 @@ output)."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -11,10 +12,22 @@ from eagle3.engine.settings import EngineSettings
 from eagle3.support.settings import INLINE, RUNTIME
 
 
-def request_seed(seed: int, index: int, turn: int, answer: int) -> int:
+def request_seed(seed: int, *, index: int, turn: int, answer: int) -> int:
     """The sampling seed of one request: source row ``index``, assistant ``turn``, ``answer`` (of
-    answers_per_conversation). Answer 0 keeps the seeds journals were written with before answers existed."""
-    return seed + index * 1000 + turn + answer * 2**40
+    answers_per_conversation). Answer 0 keeps the seeds journals were written with before answers existed
+    (seed + index * 1000 + turn); later answers take 31 bits of a hash of all four: vLLM seeds a torch.Generator
+    per request, and torch's CPU generator (mt19937) keeps only the seed's low 32 bits (measured: a stride of 2**40
+    between answers gave identical answers on CPU)."""
+    if answer == 0:
+        return seed + index * 1000 + turn
+    digest = hashlib.sha256(f"{seed}/{index}/{turn}/{answer}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def journal_key(entry: dict) -> tuple[int, int]:
+    """(source row index, answer) of a work item or journal line; lines written before answers existed are
+    answer 0."""
+    return int(entry["index"]), int(entry.get("answer", 0))
 
 
 class RegenerateConfig(BaseModel):
@@ -30,11 +43,13 @@ class RegenerateConfig(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (fraction).")
     max_new_tokens: int = Field(512, gt=0, description="Longest regenerated assistant turn, in tokens; turns cut "
                                 "there are kept and counted.")
-    seed: int = Field(0, description="Sampling seed (per request: request_seed below).")
+    seed: int = Field(0, description="Sampling seed (per request: seed + row index * 1000 + turn for the first "
+                      "answer, a hash of the four for later ones: eagle3.regenerate.config.request_seed).")
     answers_per_conversation: int = Field(
         1, ge=1, description="Answers the verifier writes for each kept conversation, in conversations: each is "
         "its own training conversation (same prompts, its own seed). More than 1 multiplies the training data "
-        "without new prompts and needs temperature > 0 (greedy answers would be copies).")
+        "without new prompts and needs temperature > 0 (greedy answers would be copies). The trainer's validation "
+        "split is drawn by conversation, so a prompt's answers can fall on both sides of it.")
     reasoning: Literal["keep", "strip"] = Field(
         "keep", description="Thinking models: keep the reasoning block in the regenerated turn, or strip it (the "
         "text from reasoning_start to reasoning_end).")

@@ -8,7 +8,8 @@ The conversations are exactly the rows the prepare stage kept (its ``source_inde
 sources and normalised the same way. Every assistant turn is regenerated through vLLM
 (eagle3/regenerate/vllm_worker.py, in the vLLM interpreter, inside the device guard), turn by turn (a later turn
 sees the regenerated earlier ones; system prompts kept). Finished rows land in ``journal.jsonl`` batch by batch;
-a rerun continues from it, so a kill -9 loses at most the batch in flight and every row ends up exactly once.
+a rerun continues from it, so a kill -9 loses at most the batch in flight and every (row, answer) ends up exactly
+once.
 The output is ``conversations.jsonl`` (OpenAI messages, the prepared order) for the prepare stage to read. With
 ``answers_per_conversation`` N > 1 (sampled, temperature > 0) every kept row is regenerated N times, each answer
 its own conversation (its own seed), the N side by side: more training data from the same prompts.
@@ -41,7 +42,7 @@ from eagle3.chat.errors import BadRow
 from eagle3.chat.sources import iter_rows, normalize_row
 from eagle3.engine.job import run_engine_job
 from eagle3.prepare import PrepareConfig, PreparedData
-from eagle3.regenerate.config import RegenerateConfig
+from eagle3.regenerate.config import RegenerateConfig, journal_key
 from eagle3.support.artifacts import Artifact, file_problem
 from eagle3.support.dtypes import describe_compute_dtype
 from eagle3.support.gpu import DeviceGuard, OutOfMemoryAfterRetries, cuda_device_ids, file_lock_guard
@@ -85,7 +86,8 @@ class RegeneratedData(Artifact):
                                      "(engine start excluded; 0 when nothing was left to do).")
     engine_start_seconds: float = Field(description="vLLM engine start (the verifier load) of the last invocation.")
     generate_seconds: float = Field(description="Generation wall time of the last invocation, seconds.")
-    rows_resumed: int = Field(description="Rows already in the journal from an interrupted run (not redone).")
+    rows_resumed: int = Field(description="Conversations (row, answer) already in the journal from an interrupted "
+                              "run (not redone).")
     sampling: dict[str, Any] = Field(description="temperature, top_p, max_new_tokens (tokens), seed, "
                                      "answers_per_conversation, reasoning, dtype.")
     baselines_dir: str | None = Field(None, description="Validation's verifier-alone baselines this stage's engine "
@@ -128,7 +130,7 @@ def read_journal(path: Path) -> dict[tuple[int, int], dict]:
             continue
         try:
             entry = json.loads(line)
-            out[int(entry["index"]), int(entry.get("answer", 0))] = entry
+            out[journal_key(entry)] = entry
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
             continue
     return out
@@ -177,11 +179,11 @@ def regenerate(cfg: RegenerateConfig, prepared: PreparedData, prepare_cfg: Prepa
     dtype = describe_compute_dtype(cfg.dtype, spec.dtype, "auto")
     stats: dict[str, Any] = {"engine_start_seconds": 0.0, "generate_seconds": 0.0, "tokens_generated": 0}
     resumed = len(read_journal(journal))
-    if any(_key(r) not in read_journal(journal) for r in rows):
+    if any(journal_key(r) not in read_journal(journal) for r in rows):
         # decide what is left UNDER the guard: a run that waited for it must see what the previous holder wrote
         with (guard or file_lock_guard(logger=log))(cuda_device_ids(count=cfg.engine.tensor_parallel_size)) as fds:
             done = read_journal(journal)
-            todo = [r for r in rows if _key(r) not in done]
+            todo = [r for r in rows if journal_key(r) not in done]
             resumed = len(rows) - len(todo)
             log.info("[regenerate] %d conversations (%d already in %s)%s; temperature %s, top_p %s, "
                      "max_new_tokens %d, batches of %d rows, dtype %s", len(rows), resumed, journal,
@@ -193,10 +195,6 @@ def regenerate(cfg: RegenerateConfig, prepared: PreparedData, prepare_cfg: Prepa
                 stats.update(_run_driver(cfg, todo, len(rows), prepare_cfg, verifier, dtype, out_dir, fds,
                                          on_progress, inject_oom_batches, baseline))
     return _finish(cfg, rows, read_journal(journal), resumed, stats, out_dir, dtype)
-
-
-def _key(row: dict) -> tuple[int, int]:
-    return row["index"], row.get("answer", 0)
 
 
 def _run_driver(cfg: RegenerateConfig, todo: list[dict], total: int, prepare_cfg: PrepareConfig,
@@ -245,15 +243,15 @@ def _finish(cfg: RegenerateConfig, rows: list[dict], journal: dict[tuple[int, in
     written, dropped = [], {}
     turns = cut = tokens = 0
     for r in rows:
-        entry = journal[_key(r)]
+        entry = journal[journal_key(r)]
         if "messages" in entry:
-            written.append({"messages": entry["messages"], "source_index": r["index"], "answer": _key(r)[1]})
+            written.append({"messages": entry["messages"], "source_index": r["index"], "answer": journal_key(r)[1]})
             turns, cut, tokens = turns + entry["turns"], cut + entry["cut_turns"], tokens + entry["tokens"]
         else:
             d = dropped.setdefault(entry["dropped"], {"count": 0, "first": []})
             d["count"] += 1
             if len(d["first"]) < _FIRST_NAMED:
-                d["first"].append({"index": r["index"], "answer": _key(r)[1], "detail": entry.get("detail", "")})
+                d["first"].append({"index": r["index"], "answer": journal_key(r)[1], "detail": entry.get("detail", "")})
     if not written:
         raise RegenerateError(f"no conversation could be regenerated: {json.dumps(dropped)[:2000]}")
     for reason, d in dropped.items():

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from eagle3.chat.errors import BadRow
-from eagle3.regenerate.config import request_seed
+from eagle3.regenerate.config import journal_key, request_seed
 from eagle3.support.io import atomic_write_json
 
 END_OF_TURN_RESERVE = 8  # tokens of max_model_len kept free after a regenerated answer (end of turn + newline)
@@ -71,7 +71,7 @@ def regenerate_batch(llm, encoder, rows: list[dict], job: dict, stats: dict) -> 
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    state = {(r["index"], r.get("answer", 0)): {"messages": [dict(m) for m in r["messages"]],
+    state = {journal_key(r): {"messages": [dict(m) for m in r["messages"]],
                                                 "turns": _assistant_turns(r["messages"]), "done": 0, "tokens": 0,
                                                 "cut": 0, "dropped": None} for r in rows}
     for s in state.values():  # trailing user turns after the last answer have nothing to regenerate
@@ -97,7 +97,8 @@ def regenerate_batch(llm, encoder, rows: list[dict], job: dict, stats: dict) -> 
             prompts.append(TokensPrompt(prompt_token_ids=ids))
             params.append(SamplingParams(temperature=float(job["temperature"]), top_p=float(job["top_p"]),
                                          max_tokens=min(int(job["max_new_tokens"]), room),
-                                         seed=request_seed(int(job["seed"]), *key, s["done"])))
+                                         seed=request_seed(int(job["seed"]), index=key[0], turn=s["done"],
+                                                              answer=key[1])))
             who.append(key)
         if not prompts:
             break
