@@ -178,8 +178,9 @@ def regenerate(cfg: RegenerateConfig, prepared: PreparedData, prepare_cfg: Prepa
     spec = verifier.spec()
     dtype = describe_compute_dtype(cfg.dtype, spec.dtype, "auto")
     stats: dict[str, Any] = {"engine_start_seconds": 0.0, "generate_seconds": 0.0, "tokens_generated": 0}
-    resumed = len(read_journal(journal))
-    if any(journal_key(r) not in read_journal(journal) for r in rows):
+    on_disk = read_journal(journal)  # read once: the check below looks up every row
+    resumed = sum(journal_key(r) in on_disk for r in rows)
+    if resumed < len(rows):
         # decide what is left UNDER the guard: a run that waited for it must see what the previous holder wrote
         with (guard or file_lock_guard(logger=log))(cuda_device_ids(count=cfg.engine.tensor_parallel_size)) as fds:
             done = read_journal(journal)
@@ -243,15 +244,16 @@ def _finish(cfg: RegenerateConfig, rows: list[dict], journal: dict[tuple[int, in
     written, dropped = [], {}
     turns = cut = tokens = 0
     for r in rows:
-        entry = journal[journal_key(r)]
+        index, answer = journal_key(r)
+        entry = journal[index, answer]
         if "messages" in entry:
-            written.append({"messages": entry["messages"], "source_index": r["index"], "answer": journal_key(r)[1]})
+            written.append({"messages": entry["messages"], "source_index": index, "answer": answer})
             turns, cut, tokens = turns + entry["turns"], cut + entry["cut_turns"], tokens + entry["tokens"]
         else:
             d = dropped.setdefault(entry["dropped"], {"count": 0, "first": []})
             d["count"] += 1
             if len(d["first"]) < _FIRST_NAMED:
-                d["first"].append({"index": r["index"], "answer": journal_key(r)[1], "detail": entry.get("detail", "")})
+                d["first"].append({"index": index, "answer": answer, "detail": entry.get("detail", "")})
     if not written:
         raise RegenerateError(f"no conversation could be regenerated: {json.dumps(dropped)[:2000]}")
     for reason, d in dropped.items():

@@ -71,9 +71,8 @@ def regenerate_batch(llm, encoder, rows: list[dict], job: dict, stats: dict) -> 
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    state = {journal_key(r): {"messages": [dict(m) for m in r["messages"]],
-                                                "turns": _assistant_turns(r["messages"]), "done": 0, "tokens": 0,
-                                                "cut": 0, "dropped": None} for r in rows}
+    state = {journal_key(r): {"messages": [dict(m) for m in r["messages"]], "turns": _assistant_turns(r["messages"]),
+                              "done": 0, "tokens": 0, "cut": 0, "dropped": None} for r in rows}
     for s in state.values():  # trailing user turns after the last answer have nothing to regenerate
         s["messages"] = s["messages"][: s["turns"][-1] + 1] if s["turns"] else s["messages"]
     for _ in range(max((len(s["turns"]) for s in state.values()), default=0)):
@@ -98,7 +97,7 @@ def regenerate_batch(llm, encoder, rows: list[dict], job: dict, stats: dict) -> 
             params.append(SamplingParams(temperature=float(job["temperature"]), top_p=float(job["top_p"]),
                                          max_tokens=min(int(job["max_new_tokens"]), room),
                                          seed=request_seed(int(job["seed"]), index=key[0], turn=s["done"],
-                                                              answer=key[1])))
+                                                           answer=key[1])))
             who.append(key)
         if not prompts:
             break
