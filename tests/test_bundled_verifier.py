@@ -4,6 +4,7 @@ deterministic, and the model passes the quality gate (varied greedy text, no sin
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -19,6 +20,7 @@ from tools import tiny_verifier as bundled
 from tools.tiny_verifier import (
     DEFAULT_DATA_DIR,
     DEFAULT_MODEL_DIR,
+    build_short_doc_conversations,
     build_stdlib_conversations,
     greedy_generate,
     longest_run,
@@ -139,6 +141,33 @@ def test_eval_modules_disjoint_from_train():
         if m["role"] == "assistant"
     }
     assert not train_answers & held_answers
+
+
+def test_short_doc_prompts_are_new_training_objects_and_rebuild_exactly():
+    """train-short.openai.jsonl: questions about training-module objects the bundled splits do not hold (docstrings
+    of 1-79 characters), what the builder writes, counted in the manifest. (Rebuilt for a few modules only: under
+    pytest, imported packages patch some stdlib objects, e.g. inspect.Signature.from_callable, and the whole
+    build then differs from the file's.)"""
+    path = DEFAULT_DATA_DIR / bundled.SHORT_DOCS_FILE
+    short = read_messages(path)
+    assert len(short) > 1000
+    built = build_short_doc_conversations(["argparse", "json.encoder", "textwrap", "zipfile"])
+    assert {c.split for c in built} == {"train", "eval"}  # json.* is held out: never written
+    train = [c.messages for c in built if c.split == "train"]
+    assert train and all(messages in short for messages in train)
+    assert not any(messages in short for c in built if c.split == "eval" for messages in [c.messages])
+    answers = [m["content"] for c in short for m in c if m["role"] == "assistant"]
+    assert all(0 < len(a) < bundled.MIN_DOC_CHARS for a in answers)
+    bundled_answers = {m["content"] for split in ("train", "eval")
+                       for c in read_messages(DEFAULT_DATA_DIR / f"{split}.openai.jsonl") for m in c}
+    assert not set(answers) & bundled_answers
+    questions = {m["content"] for c in short for m in c if m["role"] == "user"}
+    eval_questions = {m["content"] for c in read_messages(DEFAULT_DATA_DIR / "eval.openai.jsonl") for m in c
+                      if m["role"] == "user"}
+    assert not questions & eval_questions
+    manifest = json.loads((DEFAULT_DATA_DIR / "manifest.json").read_text())
+    assert manifest["short_docs"]["conversations"] == len(short)
+    assert manifest["sha256"][bundled.SHORT_DOCS_FILE] == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_builder_is_deterministic_across_processes_and_hash_seeds():

@@ -6,6 +6,9 @@ from text every Python install carries, the docstrings of the standard library:
 
     build_stdlib_conversations()  ->  Conversation list (train / eval split by held-out top-level modules)
     write_sharegpt / write_openai ->  data/stdlib-chat/{train,eval}.{sharegpt,openai}.jsonl
+    build_short_doc_conversations() -> data/stdlib-chat/train-short.openai.jsonl: the objects whose docstrings are
+                                     too short to teach the tiny verifier, as prompts for a verifier that writes
+                                     its own answers (regeneration); never used to train the tiny verifier
     train_tokenizer()             ->  byte-level BPE, vocab 8192, role tokens, Jinja chat template
     train_tiny_llama()            ->  LlamaForCausalLM (4 layers, hidden 256, untied lm_head), saved in bf16
     write_model_card()            ->  README.md beside the weights
@@ -64,6 +67,7 @@ EXCLUDED_TOP_LEVEL = frozenset(
     }
 )  # fmt: skip
 MIN_DOC_CHARS = 80
+SHORT_DOCS_FILE = "train-short.openai.jsonl"  # conversations about the objects with docstrings under MIN_DOC_CHARS
 MAX_DOC_CHARS = 2000  # longer docstrings are cut at a paragraph boundary (a handful of class docstrings run to 10 KB)
 HOLDOUT_PERCENT = 8  # share of top-level modules (by hash bucket) held out for evaluation
 
@@ -252,9 +256,10 @@ def _is_method(obj) -> bool:
     return inspect.isfunction(obj) or inspect.ismethoddescriptor(obj) or isinstance(obj, (classmethod, staticmethod))
 
 
-def module_doc_entries(module: str) -> list[DocEntry]:
+def module_doc_entries(module: str, short: bool = False) -> list[DocEntry]:
     """The module's own docstring, its public functions and classes, and the public methods each class defines
-    itself (not inherited), with a docstring of at least MIN_DOC_CHARS characters; in a fixed order."""
+    itself (not inherited), with a docstring of at least MIN_DOC_CHARS characters (``short``: of 1 to
+    MIN_DOC_CHARS - 1 characters instead); in a fixed order."""
     mod = _try_import(module)
     if mod is None:
         return []
@@ -283,7 +288,7 @@ def module_doc_entries(module: str) -> list[DocEntry]:
         if raw is None:
             continue
         doc = clean_doc(raw)
-        if len(doc) >= MIN_DOC_CHARS:
+        if (0 < len(doc) < MIN_DOC_CHARS) if short else len(doc) >= MIN_DOC_CHARS:
             entries.append(DocEntry(module=module, name=name, kind=kind, doc=doc))
     return entries
 
@@ -356,6 +361,30 @@ def build_stdlib_conversations(modules: Iterable[str] | None = None, seed: int =
     return conversations
 
 
+def build_short_doc_conversations(modules: Iterable[str] | None = None, seed: int = 0) -> list[Conversation]:
+    """Conversations about the public objects whose docstrings are shorter than MIN_DOC_CHARS (2,570 objects of the
+    training modules on Python 3.11; none of them is in build_stdlib_conversations), grouped and asked exactly as
+    there, the short docstring as the answer.
+
+    A one-line docstring teaches the tiny verifier little, but the question is a new prompt about a new object: for
+    a verifier that writes its own answers (``regenerate.enabled``) these double the bundled training prompts. The
+    split is the same hash of the top-level module, so nothing here is about an evaluation module; only the train
+    split is written (SHORT_DOCS_FILE). De-duplicated by (name, docstring) in sorted module order: a re-export
+    keeps one place, while two enum classes that share "An enumeration." stay two questions.
+    """
+    names = sorted(set(modules)) if modules is not None else stdlib_module_names()
+    seen: set[tuple[str, str]] = set()
+    conversations: list[Conversation] = []
+    for module in names:
+        entries = []
+        for entry in module_doc_entries(module, short=True):
+            if (entry.name, entry.doc) not in seen:
+                seen.add((entry.name, entry.doc))
+                entries.append(entry)
+        conversations.extend(module_conversations(module, entries, seed=seed))
+    return conversations
+
+
 def split_conversations(conversations: Sequence[Conversation]) -> dict[str, list[Conversation]]:
     return {
         "train": [c for c in conversations if c.split == "train"],
@@ -409,8 +438,19 @@ def read_messages(path: Path) -> list[list[dict[str, str]]]:
     return out
 
 
-def write_dataset(data_dir: Path, conversations: Sequence[Conversation]) -> dict:
-    """Write both splits in both formats plus manifest.json; return the manifest."""
+def _counts(convs: Sequence[Conversation]) -> dict:
+    return {
+        "conversations": len(convs),
+        "assistant_turns": sum(m["role"] == "assistant" for c in convs for m in c.messages),
+        "modules": len({c.module for c in convs}),
+        "chars": sum(len(m["content"]) for c in convs for m in c.messages),
+    }
+
+
+def write_dataset(data_dir: Path, conversations: Sequence[Conversation],
+                  short_docs: Sequence[Conversation] = ()) -> dict:
+    """Write both splits in both formats, the train split of ``short_docs`` (build_short_doc_conversations) to
+    SHORT_DOCS_FILE, and manifest.json; return the manifest."""
     data_dir = Path(data_dir)
     splits = split_conversations(conversations)
     files = {}
@@ -419,23 +459,26 @@ def write_dataset(data_dir: Path, conversations: Sequence[Conversation]) -> dict
             path = data_dir / f"{split}.{fmt}.jsonl"
             writer(path, convs)
             files[path.name] = hashlib.sha256(path.read_bytes()).hexdigest()
+    short_train = split_conversations(short_docs)["train"]
+    if short_train:
+        write_openai(data_dir / SHORT_DOCS_FILE, short_train)
+        files[SHORT_DOCS_FILE] = hashlib.sha256((data_dir / SHORT_DOCS_FILE).read_bytes()).hexdigest()
     manifest = {
         "source": "Python standard library docstrings",
         "python": sys.version.split()[0],
         "holdout": f"top-level modules with sha256(name) % 100 < {HOLDOUT_PERCENT}",
-        "counts": {
-            split: {
-                "conversations": len(convs),
-                "assistant_turns": sum(m["role"] == "assistant" for c in convs for m in c.messages),
-                "modules": len({c.module for c in convs}),
-                "chars": sum(len(m["content"]) for c in convs for m in c.messages),
-            }
-            for split, convs in splits.items()
-        },
+        "counts": {split: _counts(convs) for split, convs in splits.items()},
         "eval_top_level_modules": sorted({top_level(c.module) for c in splits["eval"]}),
         "modules": {split: sorted({c.module for c in convs}) for split, convs in splits.items()},
         "sha256": files,
     }
+    if short_train:
+        manifest["short_docs"] = {
+            "file": SHORT_DOCS_FILE,
+            "what": f"train-split objects whose docstrings are 1 to {MIN_DOC_CHARS - 1} characters: prompts for "
+                    "regeneration, not used to train the tiny verifier",
+            **_counts(short_train),
+        }
     (data_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
@@ -862,7 +905,7 @@ distinct tokens per prompt {evaluation["gate_distinct_tokens"]} (gate: at least 
 def build_data_and_tokenizer(data_dir: Path = DEFAULT_DATA_DIR, model_dir: Path = DEFAULT_MODEL_DIR, seed: int = 0):
     """Write the conversations (both splits, both formats) and the tokenizer (trained on the train split only)."""
     conversations = build_stdlib_conversations(seed=seed)
-    manifest = write_dataset(data_dir, conversations)
+    manifest = write_dataset(data_dir, conversations, build_short_doc_conversations(seed=seed))
     train = split_conversations(conversations)["train"]
     tokenizer = train_tokenizer(conversation_texts(train))
     Path(model_dir).mkdir(parents=True, exist_ok=True)
