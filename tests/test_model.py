@@ -187,3 +187,35 @@ def test_vllm_config_with_missing_or_mistyped_fields_is_one_clear_error():
         DraftConfig.from_vllm_config({**good, "num_attention_heads": [4]})
     with pytest.raises(DraftConfigError, match="expected a JSON object"):
         DraftConfig.from_vllm_config([good])
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "qk", "vd"), [(4, 2, 16, 16), (4, 4, 16, 16), (4, 4, 24, 16)])
+def test_cpu_attention_equals_sdpa_over_the_concatenated_steps(heads, kv_heads, qk, vd):
+    """The training-time test's CPU attention (written out: the context block plus one score per entry for each
+    later step) equals SDPA over all steps' keys concatenated with identity masks (the CUDA path), values and
+    gradients, for GQA, plain heads and MLA's keys wider than values; on packed rows with padding."""
+    from eagle3.draft.model import KVCache, _explicit_attention, _sdpa
+    from eagle3.train.ttt import context_mask
+
+    torch.manual_seed(0)
+    b, t, steps = 2, 24, 3
+    seq_ids = torch.tensor([[0] * 10 + [1] * 14, [0] * 17 + [-1] * 7])  # two samples; one sample + padding
+    mask = context_mask(seq_ids)  # [B, 1, T, T]
+    q = torch.randn(b, heads, t, qk, dtype=torch.float64, requires_grad=True)
+    keys = [torch.randn(b, kv_heads, t, qk, dtype=torch.float64, requires_grad=True) for _ in range(steps)]
+    values = [torch.randn(b, kv_heads, t, vd, dtype=torch.float64, requires_grad=True) for _ in range(steps)]
+    weights = torch.randn(b, heads, t, vd, dtype=torch.float64)
+    eye = torch.eye(t, dtype=torch.bool).expand(b, 1, t, t)
+    full_mask = torch.cat([mask] + [eye] * (steps - 1), dim=-1)
+    want = _sdpa(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), full_mask, 0.3)
+    got = _explicit_attention(q, keys, values, mask, 0.3)
+    torch.testing.assert_close(got, want)
+    leaves = [q, *keys, *values]
+    grads_want = torch.autograd.grad((want * weights).sum(), leaves)
+    grads_got = torch.autograd.grad((got * weights).sum(), leaves)
+    for g, w in zip(grads_got, grads_want):
+        torch.testing.assert_close(g, w)
+    cache = KVCache()  # the cache takes the written-out path on a CPU, step after step
+    for s in range(steps):
+        out = cache.attend(q, keys[s], values[s], mask, 0.3)
+    torch.testing.assert_close(out, want)

@@ -104,7 +104,15 @@ def test_two_gloo_processes_equal_one(random_store, tiny_llama_verifier, tmp_pat
     accumulation micro-batches) gives the same losses as one process; Muon too under DDP (FSDP + Muon is refused)."""
     store, vocab = random_store
     cfg = TrainConfig(epochs=2, keep_last_n=0, optimizer=optimizer, **{**TINY, "batch_size": 4})
-    train_draft(cfg.model_copy(update={"grad_accum_steps": 2}), store, vocab, tmp_path / "one", verifier=tiny_llama_verifier)
+    # the one process computes with a worker's thread count: the CPU attention's backward (written out,
+    # eagle3.draft.model._explicit_attention) rounds differently with the thread count (~1e-7 per step)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))  # eagle3.train.launch: cores // nproc per worker
+    try:
+        train_draft(cfg.model_copy(update={"grad_accum_steps": 2}), store, vocab, tmp_path / "one",
+                    verifier=tiny_llama_verifier)
+    finally:
+        torch.set_num_threads(threads)
     two = train_draft(cfg.model_copy(update={"nproc": 2, "parallel": parallel}), store, vocab,
                       tmp_path / "two", verifier=tiny_llama_verifier)
     log = (tmp_path / "two" / "train-rank0.log").read_text()

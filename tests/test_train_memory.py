@@ -118,7 +118,7 @@ def test_activations_are_what_autograd_keeps_on_cpu(verifiers, rows, tokens, ste
     plan = plan_training_memory(cfg, TrainConfig(batch_size=rows, max_seq_len=tokens, ttt_steps=steps, device="cpu",
                                                  loss=loss), 1, "cpu")
     a = plan.activations
-    cache_kept = cache_kept_by_attention(cfg, rows, tokens, "cpu")  # step 0's keys/values SDPA keeps itself
+    cache_kept = cache_kept_by_attention(cfg, rows, tokens, steps, "cpu")  # the cache the attention keeps
     # the teacher's argmax and entropy (its probabilities: kept by the KL's backward; by nothing with the LK losses)
     teacher_alive = 12 * head_rows(rows, tokens, 0) + (a["teacher probabilities"] if loss != "kl" else 0)
     alive_only = (a["last-step transients"] + a["context mask"] + teacher_alive + a["k/v cache"] - cache_kept)

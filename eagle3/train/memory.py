@@ -24,13 +24,16 @@ nh / KV heads nkv of head_dim hd; c = compute bytes (2: bf16 autocast on CUDA, 4
                        2 a N H each on CPU (the input itself + the normed output)
                      q/k/v input [N, 2H]: 3 c N 2H on CUDA (autocast casts it once per projection), a N 2H on CPU
                      q after RoPE and the attention output (o_proj reads a view of it): 2 c N nh hd; RoPE cos/sin
-                     K/V: the step's k, v (in the cache) 2 c N nkv hd; from step 1 on, SDPA keeps the concatenation
-                       of all steps' keys and values 2 c B S_k nkv hd (repeated to nh heads for GQA, every step)
-                     attention mask, as SDPA converts it to an additive one: c B T S_k; log-sum-exp a B nh T
+                     K/V: the step's k, v (in the cache) 2 c N nkv hd. CUDA (SDPA's fused kernels): from step 1 on
+                       the concatenation of all steps' keys and values 2 c B S_k nkv hd (repeated to nh heads for
+                       GQA, every step); the additive mask c B T S_k; log-sum-exp a B nh T. CPU (the attention
+                       written out, eagle3.draft.model._explicit_attention): q scaled (in place of q after RoPE),
+                       the probabilities a B nh T (T + k), the inverted context mask B T T bytes, and under GQA
+                       every step's keys and values repeated to nh heads 2 a B T nh hd (k + 1); without GQA it
+                       keeps the cache itself
                      MLA draft (kind mla): q/kv latents with their RMSNorms (input, normed values, statistics;
                        the kv latent views the [N, kv_lora_rank + rope] projection), RoPE over the rope part only;
-                       keys are qk_nope + qk_rope wide, values v_head_dim; on a CPU SDPA takes its math path
-                       (keys wider than values): it keeps q and k scaled, the softmax a B nh T S_k and the values
+                       keys are qk_nope + qk_rope wide, values v_head_dim
                      MLP: gate/up inputs (2 c N H on CUDA, a N H on CPU) + gate, silu, up, product 4 c N I
                      the heads at most at R_k = B (T - 2 - k) entries (a guess inside the row), rounded up to a
                        multiple of 64 rows (eagle3.train.ttt.HEAD_ROWS_BUCKET): lm_head input
@@ -169,7 +172,7 @@ def head_rows(b: int, t: int, k: int) -> int:
 
 def _attention_activations(d: DraftConfig, b: int, t: int, k: int, c: int, cuda: bool) -> dict[str, int]:
     """The attention's share of ``_step_activations``: its input [N, 2H], q and the output, RoPE tables, this step's
-    keys/values, the concatenation of all steps' (SDPA keeps it from step 1 on), the mask; MLA adds its latent
+    keys/values, the copies of keys/values the attention keeps, the mask and probabilities; MLA adds its latent
     norms (the q and kv latents, each RMSNorm's input, normed output and statistics; the kv latent is a view of the
     [N, kv_lora_rank + rope] projection, whose whole storage stays)."""
     n, h, nh = b * t, d.hidden_size, d.num_attention_heads
@@ -191,29 +194,32 @@ def _attention_activations(d: DraftConfig, b: int, t: int, k: int, c: int, cuda:
         "attention q/out": c * n * nh * (qk + vd) + (4 * c if cuda else 2 * F32) * n * rope,
         "k/v cache": c * n * kv_heads * (qk + vd),
     }
-    if d.kind == "mla" and not cuda:
-        # keys wider than values: the CPU takes SDPA's math path, which keeps q and k scaled (copies), the softmax
-        # probabilities [B, heads, T, S] and the values (step 0: the cache's; later the concatenation)
-        out["k/v concatenated"] = F32 * b * s * nh * qk + (F32 * b * s * nh * vd if k > 0 else 0)
-        out["attention mask"] = F32 * b * nh * t * s
+    if not cuda:
+        # eagle3.draft.model._explicit_attention: q scaled (counted above), the probabilities [B, heads, T, T + k],
+        # the inverted context mask, and every step's keys/values repeated to each query head under GQA (without
+        # GQA it keeps the cache itself: cache_kept_by_attention)
+        out["k/v copies"] = F32 * b * t * nh * (qk + vd) * (k + 1) if kv_heads != nh else 0
+        out["attention mask"] = F32 * b * nh * t * (t + k) + b * t * t
         return out
     repeat = nh if kv_heads != nh else kv_heads  # GQA: SDPA keeps the keys repeated to every query head
     # step 0 without GQA: SDPA keeps the cache itself
-    out["k/v concatenated"] = c * b * s * repeat * (qk + vd) if (k > 0 or kv_heads != nh) else 0
+    out["k/v copies"] = c * b * s * repeat * (qk + vd) if (k > 0 or kv_heads != nh) else 0
     out["attention mask"] = c * b * t * s + F32 * b * nh * t  # additive mask + log-sum-exp
     return out
 
 
-def cache_kept_by_attention(d: DraftConfig, micro_rows: int, seq_len: int, device: Literal["cpu", "cuda"]) -> int:
-    """Bytes of step 0's keys/values that the attention keeps for backward itself (counted under "k/v cache"):
-    SDPA's fused kernels keep the cache when no GQA repeat is needed; the MLA draft's math path on a CPU keeps the
-    values only (its keys are kept scaled)."""
+def cache_kept_by_attention(d: DraftConfig, micro_rows: int, seq_len: int, ttt_steps: int,
+                            device: Literal["cpu", "cuda"]) -> int:
+    """Bytes of the keys/values cache (counted under "k/v cache") that the attention keeps for backward itself.
+    Without GQA (MLA included) a CPU's written-out attention keeps every step's keys and values, and SDPA's fused
+    kernels on CUDA step 0's; under GQA both keep repeated copies instead (counted apart)."""
     n = micro_rows * seq_len
-    c = 2 if device == "cuda" else F32
-    if d.kind == "mla" and device == "cpu":
-        return F32 * n * d.num_attention_heads * d.value_head_dim
+    if device == "cpu":
+        kv_heads = d.num_attention_heads if d.kind == "mla" else d.num_key_value_heads
+        return ttt_steps * F32 * n * kv_heads * (d.head_dim + d.value_head_dim) if kv_heads == d.num_attention_heads \
+            else 0
     if d.num_key_value_heads == d.num_attention_heads:
-        return c * n * d.num_key_value_heads * (d.head_dim + d.value_head_dim)
+        return 2 * n * d.num_key_value_heads * (d.head_dim + d.value_head_dim)
     return 0
 
 
@@ -295,7 +301,7 @@ def plan_training_memory(draft: DraftConfig, cfg: TrainConfig, world: int | None
     per_step = sum(steps[-1].values())
     items.append(("activations", activations,
                   f"{kk} TTT steps over {n:,} tokens (last step {_gb(per_step)}; K/V "
-                  f"{_gb(act['k/v cache'] + act['k/v concatenated'])}, log-softmaxes {_gb(act['log-softmax'])}), "
+                  f"{_gb(act['k/v cache'] + act['k/v copies'])}, log-softmaxes {_gb(act['log-softmax'])}), "
                   f"teacher {_gb(act['teacher probabilities'])}, transients {_gb(act['last-step transients'])}"
                   + (f", bf16 weight copies {_gb(act['autocast weight copies'])}"
                      if "autocast weight copies" in act else "")))
