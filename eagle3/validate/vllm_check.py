@@ -47,6 +47,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+# the libraries this interpreter was started with: vLLM's CPU platform writes its own LD_PRELOAD advice (libgomp,
+# tcmalloc) into os.environ at the first engine start, which only processes started later would load; the engine
+# here runs in this process (engine_in_process), so that later value never applies to it
+PRELOADED = os.environ.get("LD_PRELOAD", "")
+
 # ----------------------------------------------------------------------------- shared with the offline reference
 
 
@@ -173,12 +178,15 @@ def _engine(args: dict[str, Any], draft: str | None):
         if "attention_backend" in args["engine"]:  # the CPU MLA pin: vLLM never hands the verifier's backend to
             # the draft (it auto-selects, AMX_MLA on AMX CPUs); beside an MLA verifier on a CPU the draft is MLA too
             engine_args["speculative_config"].setdefault("attention_backend", args["engine"]["attention_backend"])
-    _log(f"starting engine ({f'draft {draft}' if draft else 'no speculation'}); LD_PRELOAD="
-         f"{os.environ.get('LD_PRELOAD', '')!r}, load {_load()}")
+    _log(f"starting engine ({f'draft {draft}' if draft else 'no speculation'}); load {_load()}")
     t0 = time.monotonic()
     llm = LLM(**engine_args)
     start_s = time.monotonic() - t0
-    _log(f"engine ready in {start_s:.1f} s")
+    # the engine core runs in this process unless VLLM_ENABLE_V1_MULTIPROCESSING asks for its own (then it was
+    # started with vLLM's LD_PRELOAD)
+    own = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
+    _log(f"engine ready in {start_s:.1f} s; LD_PRELOAD {os.environ.get('LD_PRELOAD', '') if own else PRELOADED!r} "
+         f"({'the engine core process' if own else 'this process, in which the engine core runs'})")
     return llm, start_s
 
 
