@@ -297,6 +297,42 @@ def test_muon_updates_the_matrices_resumes_exactly_and_learns(random_store, tiny
     assert losses[-1] < 0.8 * losses[0]
 
 
+def test_noised_aux_is_bounded_seeded_float32():
+    from eagle3.train.data import noise_seed, noised_aux
+
+    aux = torch.randn(2, 64, 48).bfloat16()
+    a = noised_aux(aux, 0.05, noise_seed(0, 7, 0, 1))
+    assert a.dtype == torch.float32 and a.shape == aux.shape
+    d = a - aux.float()
+    assert d.abs().max() <= 0.05 and abs(d.mean().item()) < 0.005 and abs(d.std().item() - 0.05 / 3**0.5) < 0.003
+    assert torch.equal(a, noised_aux(aux, 0.05, noise_seed(0, 7, 0, 1)))  # the same seed: the same noise
+    seeds = {noise_seed(s, step, rank, m) for s in (0, 1) for step in range(50) for rank in range(4) for m in range(4)}
+    assert len(seeds) == 2 * 50 * 4 * 4  # distinct per run seed, optimizer step, process and micro-batch
+
+
+def test_feature_noise_trains_on_noised_states_and_resumes_exactly(random_store, tiny_llama_verifier, tmp_path):
+    """train.feature_noise: training micro-batches read noised aux states, validation the stored ones (the untrained
+    draft's validation is that of the run without noise, its first training loss is not); seeded per step, so a run
+    stopped and resumed writes the uninterrupted run's records and weights."""
+    store, vocab = random_store
+    cfg = TrainConfig(epochs=1, feature_noise=0.5, **TINY)  # 4 steps per epoch
+    plain = train_draft(cfg.model_copy(update={"feature_noise": 0.0}), store, vocab, tmp_path / "plain",
+                        verifier=tiny_llama_verifier)
+    full = train_draft(cfg, store, vocab, tmp_path / "full", verifier=tiny_llama_verifier)
+    part = train_draft(cfg.model_copy(update={"stop_after_steps": 2}), store, vocab, tmp_path / "resumed",
+                       verifier=tiny_llama_verifier)
+    assert part.stopped_early and part.global_step == 2
+    resumed = train_draft(cfg, store, vocab, tmp_path / "resumed", verifier=tiny_llama_verifier)
+    assert _records(tmp_path / "resumed") == _records(tmp_path / "full")
+    assert resumed.weights_sha256 == full.weights_sha256 != plain.weights_sha256
+    noisy, clean = _records(tmp_path / "full"), _records(tmp_path / "plain")
+    assert noisy[0]["event"] == clean[0]["event"] == "val" and noisy[0] == clean[0]
+    assert noisy[1]["event"] == "train" and noisy[1]["loss"] != clean[1]["loss"]
+    with pytest.raises(TrainError, match="feature_noise"):  # another noise is another run: no silent resume
+        train_draft(cfg.model_copy(update={"feature_noise": 0.1, "epochs": 2}), store, vocab, tmp_path / "resumed",
+                    verifier=tiny_llama_verifier)
+
+
 WALL_CLOCK = ("tokens_per_s",)  # the only wall-clock field of a metrics record
 
 

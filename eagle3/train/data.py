@@ -107,6 +107,21 @@ def _dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
     return dequantize_states(q.reshape(b * t, width), scale.reshape(b * t, -1), dtype=dtype).view(b, t, width)
 
 
+def noised_aux(aux: torch.Tensor, amplitude: float, seed: int) -> torch.Tensor:
+    """``aux`` [B, T, n_aux * H] in float32 plus uniform noise U(-amplitude, amplitude) drawn from a generator seeded
+    with ``seed`` on aux's device (``train.feature_noise``): the same seed gives the same noise, so a resumed run adds
+    what an uninterrupted one did. Float32 because the draft's fc reads float32 anyway, and bf16 would round most of
+    a small noise away."""
+    g = torch.Generator(device=aux.device).manual_seed(seed)
+    noise = torch.rand(aux.shape, generator=g, device=aux.device, dtype=torch.float32)
+    return noise.mul_(2 * amplitude).sub_(amplitude).add_(aux.float())
+
+
+def noise_seed(seed: int, global_step: int, rank: int, micro: int) -> int:
+    """The noise seed of one micro-batch: distinct per (run seed, optimizer step, process, micro-batch)."""
+    return (((seed * 1_000_003 + global_step) * 65_537 + rank) * 257 + micro) & (2**63 - 1)
+
+
 def collate(store: HiddenStateStore, bins: list[list[int]], max_seq_len: int, ttt_steps: int,
             vocab_size: int, dequant_dtype: torch.dtype = torch.float32, dequantize: bool = True) -> Batch:
     """Load the samples of ``bins`` (one packed row each) into padded tensors (length = longest row).

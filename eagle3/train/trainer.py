@@ -40,6 +40,8 @@ from eagle3.train.data import (
     DamagedSample,
     StepLoader,
     collate,
+    noise_seed,
+    noised_aux,
     pack_samples,
     packing_efficiency,
     split_indices,
@@ -324,8 +326,12 @@ class Trainer:
                 self.model.set_requires_gradient_sync(last)
             sync = self.model.no_sync() if (hasattr(self.model, "no_sync") and not last) \
                 else contextlib.nullcontext()  # DDP: all-reduce on the last micro-batch only
+            batch = batch.to(self.device)
+            if cfg.feature_noise:  # training only: validation reads the stored states as they are
+                batch.aux = noised_aux(batch.aux, cfg.feature_noise,
+                                       noise_seed(cfg.seed, self.global_step, self.dist.rank, m))
             with sync:
-                loss, s = self.model(batch.to(self.device), norm)
+                loss, s = self.model(batch, norm)
                 loss.backward()
             stats += s
             tokens += batch.tokens
