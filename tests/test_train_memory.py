@@ -15,7 +15,7 @@ from eagle3.draft.config import DraftArchitecture, DraftConfig
 from eagle3.draft.model import Eagle3Draft
 from eagle3.support.verifier import VerifierSpec
 from eagle3.train.config import TrainConfig
-from eagle3.train.data import Batch
+from eagle3.train.data import Batch, noise_seed, noised_aux
 from eagle3.train.memory import (
     TrainMemoryError,
     cache_kept_by_attention,
@@ -87,14 +87,16 @@ def test_optimizer_states_equal_the_plan(verifiers, arch):
         assert ("Muon momentum" in items) == (name == "muon")
 
 
-@pytest.mark.parametrize(("rows", "tokens", "steps", "arch", "loss"), [
-    (2, 96, 3, "llama-gqa", "kl"), (1, 150, 5, "llama-mha", "kl"), (3, 40, 1, "llama-gqa", "kl"),
-    (2, 64, 3, "llama-3.1", "kl"), (2, 96, 3, "mla", "kl"), (1, 70, 1, "mla", "kl"),
-    (2, 50, 4, "mla-no-q-latent", "kl"), (2, 96, 3, "llama-gqa", "lk_alpha"), (2, 64, 2, "llama-3.1", "lk_lambda")])
-def test_activations_are_what_autograd_keeps_on_cpu(verifiers, rows, tokens, steps, arch, loss):
+@pytest.mark.parametrize(("rows", "tokens", "steps", "arch", "loss", "noise"), [
+    (2, 96, 3, "llama-gqa", "kl", 0.0), (1, 150, 5, "llama-mha", "kl", 0.0), (3, 40, 1, "llama-gqa", "kl", 0.0),
+    (2, 64, 3, "llama-3.1", "kl", 0.0), (2, 96, 3, "mla", "kl", 0.0), (1, 70, 1, "mla", "kl", 0.0),
+    (2, 50, 4, "mla-no-q-latent", "kl", 0.0), (2, 96, 3, "llama-gqa", "lk_alpha", 0.0),
+    (2, 64, 2, "llama-3.1", "lk_lambda", 0.0), (2, 96, 3, "llama-gqa", "kl", 0.1), (2, 64, 3, "llama-3.1", "kl", 0.1)])
+def test_activations_are_what_autograd_keeps_on_cpu(verifiers, rows, tokens, steps, arch, loss, noise):
     """Every tensor autograd saves in one TTT forward (unique storages, parameters and the batch excluded) against
     the plan's activations less what it counts as alive but not saved (the teacher's argmax/entropy, the last step's
-    transients, the boolean context mask, the per-step K/V that SDPA does not keep)."""
+    transients, the boolean context mask, the per-step K/V that SDPA does not keep). With train.feature_noise the
+    forward reads the noised copy of the batch's aux states, as the trainer feeds it."""
     verifier, draft_arch = ARCHS[arch]
     cfg = DraftConfig.build(VerifierSpec.from_path(verifiers[verifier]), 256, [1, 2, 3], draft_arch)
     torch.manual_seed(0)
@@ -106,6 +108,9 @@ def test_activations_are_what_autograd_keeps_on_cpu(verifiers, rows, tokens, ste
                   torch.zeros(rows, tokens, dtype=torch.long), torch.arange(tokens).expand(rows, tokens).contiguous(),
                   n, torch.zeros(steps, dtype=torch.long))
     skip = {t.untyped_storage().data_ptr() for t in [*ttt.parameters(), *ttt.buffers(), batch.aux]}
+    stored = batch.aux  # kept alive: a freed storage's address could come back as a saved tensor's and be skipped
+    if noise:
+        batch.aux = noised_aux(stored, noise, noise_seed(0, 0, 0, 0))
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -116,14 +121,29 @@ def test_activations_are_what_autograd_keeps_on_cpu(verifiers, rows, tokens, ste
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         ttt(batch, torch.ones(steps))
     plan = plan_training_memory(cfg, TrainConfig(batch_size=rows, max_seq_len=tokens, ttt_steps=steps, device="cpu",
-                                                 loss=loss), 1, "cpu")
+                                                 loss=loss, feature_noise=noise), 1, "cpu")
     a = plan.activations
     cache_kept = cache_kept_by_attention(cfg, rows, tokens, steps, "cpu")  # the cache the attention keeps
     # the teacher's argmax and entropy (its probabilities: kept by the KL's backward; by nothing with the LK losses)
     teacher_alive = 12 * head_rows(rows, tokens, 0) + (a["teacher probabilities"] if loss != "kl" else 0)
-    alive_only = (a["last-step transients"] + a["context mask"] + teacher_alive + a["k/v cache"] - cache_kept)
+    # the noised aux states: the trainer's batch holds them through the step; fc saves them, a norm before fc does not
+    # (no gradient flows to its input)
+    noised_alive = batch.aux.numel() * 4 if noise and (cfg.norm_before_fc or cfg.fc_norm) else 0
+    alive_only = (a["last-step transients"] + a["context mask"] + teacher_alive + a["k/v cache"] - cache_kept
+                  + noised_alive)
     # equal up to the per-step loss bookkeeping (scalars, the LK losses' per-entry [N] values): well under 0.1%
     assert abs(plan.activation_bytes - alive_only - sum(saved.values())) <= 1e-3 * sum(saved.values())
+
+
+def test_feature_noise_plans_its_float32_copy(tiny_llama_verifier):
+    """train.feature_noise makes a float32 copy of the aux states (eagle3.train.data.noised_aux): planned on CUDA (beside
+    autocast's bf16 cast) and on a CPU with a float32 batch; a CPU bf16 batch already pays for that float copy."""
+    cfg = DraftConfig.build(VerifierSpec.from_path(tiny_llama_verifier), 256, [1, 2, 3])
+    copy = 4 * 2 * 128 * 3 * cfg.target_hidden_size  # float32, 2 rows x 128 tokens x 3 aux states
+    for device, batch_bytes, extra in (("cuda", 2, copy), ("cpu", 4, copy), ("cpu", 2, 0)):
+        plain, noised = (plan_training_memory(cfg, TrainConfig(batch_size=2, max_seq_len=128, feature_noise=x), 1,
+                                              device, batch_dtype_bytes=batch_bytes) for x in (0.0, 0.05))
+        assert noised.activation_bytes - plain.activation_bytes == extra, (device, batch_bytes)
 
 
 def test_check_memory_fails_or_warns_with_the_itemized_plan(tiny_llama_verifier):

@@ -40,8 +40,9 @@ nh / KV heads nkv of head_dim hd; c = compute bytes (2: bf16 autocast on CUDA, 4
                        c R_k H; log-softmax of the draft logits a R_k D (the LK losses: + the gathered teacher
                        probabilities and q, 2 a R_k D)
                    plus fc's input (CUDA: the bf16 cast of the aux states, c N n_aux H_t; CPU: a float32 copy of a
-                   bf16 batch) and the norms before fc (norm_before_fc / fc_norm), autocast's bf16 copies of
-                   the trainable matmul weights (CUDA), the teacher probabilities a R_0 D (the teacher runs at
+                   bf16 batch; with train.feature_noise the float32 noised states, 4 N n_aux H_t, on either) and
+                   the norms before fc (norm_before_fc / fc_norm), autocast's bf16 copies of the trainable matmul
+                   weights (CUDA), the teacher probabilities a R_0 D (the teacher runs at
                    the rows some kept entry reads, at most R_0; alive through the unroll and read again by the
                    KL's backward), and the last step's transients (its logits or their gradient c R_{K-1} D + the
                    KL's float32 buffers 2 a R_{K-1} D). The peak is at the end of the forward's last step or the start
@@ -278,16 +279,20 @@ def plan_training_memory(draft: DraftConfig, cfg: TrainConfig, world: int | None
     steps = [_step_activations(draft, b, t, k, c, cuda, cfg.loss) for k in range(kk)]
     act: dict[str, int] = {key: sum(s[key] for s in steps) for key in steps[0]}
     # fc's input: CUDA keeps autocast's bf16 cast of it; CPU the float32 batch tensor itself (counted in the batch),
-    # or the float32 copy of a bf16/fp16 batch (aux.float())
+    # or the float32 copy of a bf16/fp16 batch (aux.float()). train.feature_noise makes that float32 copy whatever
+    # the batch dtype (eagle3.train.data.noised_aux), alive through the step: the float copy it replaces, if any.
     width = draft.n_aux * draft.target_hidden_size  # fc's input
+    noised = cfg.feature_noise > 0
     norms = int(draft.norm_before_fc) + int(draft.fc_norm)
     if norms:  # norm_before_fc / fc_norm: the first norm keeps the float32 batch copy, not autocast's cast
-        act["fc input"] = (F32 if (cuda or sb != F32) else 0) * n * width
+        act["fc input"] = (F32 if (cuda or sb != F32 or noised) else 0) * n * width
         stats = F32 * n * (int(draft.norm_before_fc) + draft.n_aux * int(draft.fc_norm))  # rsqrt per norm
         # each norm keeps its normed values; each output is kept by the next norm, the last by fc (cast on CUDA)
         act["fc norms"] = stats + (2 * norms - 1) * F32 * n * width + (c if cuda else F32) * n * width
     else:
-        act["fc input"] = (c if cuda else (0 if sb == F32 else F32)) * n * width
+        act["fc input"] = (c if cuda else (0 if sb == F32 and not noised else F32)) * n * width
+        if cuda and noised:  # the float32 noised states beside autocast's cast
+            act["fc input"] += F32 * n * width
     act["context mask"] = b * t * t  # bool, built once
     if (cuda if autocast is None else autocast):  # autocast keeps bf16 copies of the matmul weights
         act["autocast weight copies"] = 2 * matmul
