@@ -61,7 +61,7 @@ class TrainConfig(BaseModel):
     lk_eta: float = Field(3.0, ge=0, description="'lk_lambda' loss: how fast the KL weight falls with the acceptance "
                           "rate alpha (a fraction), lam = exp(-lk_eta * alpha); 0 = pure KL.")
     feature_noise: float = Field(
-        0.0, ge=0, description="Uniform noise U(-x, x) added to the aux hidden states (fc's input) of every training "
+        0.0, ge=0, allow_inf_nan=False, description="Uniform noise U(-x, x) added to the aux hidden states (fc's input) of every training "
         "micro-batch, in the states' own units; never to validation. An augmentation against memorizing the stored "
         "states: EAGLE-1/2 train with uniform noise on the features; speculators' trainer after 0.9.0 adds U(-0.05, "
         "0.05) by default (--noise-std; 0.9.0 has none). Seeded by (seed, optimizer step, process, micro-batch): a "
