@@ -52,6 +52,7 @@ from eagle3.support.display import sig, size
 from eagle3.support.dtypes import describe_compute_dtype, device_type, dtype, from_safetensors
 from eagle3.support.io import atomic_write_json, sha256_file, sha256_json
 from eagle3.support.progress import fmt_duration
+from eagle3.support.settings import SETTINGS_MODEL
 from eagle3.support.verifier import VerifierIdentity, VerifierSpec
 from eagle3.validate.baseline import reuse_problem
 from eagle3.validate.config import ValidateConfig
@@ -68,7 +69,7 @@ class CapacityError(ValueError):
 class CapacityConfig(BaseModel):
     """Disk and time planning knobs for the hidden-state store."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = SETTINGS_MODEL
 
     disk_margin_fraction: float = Field(
         0.10,

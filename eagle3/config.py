@@ -31,7 +31,7 @@ from eagle3.prepare import PrepareConfig
 from eagle3.regenerate.config import RegenerateConfig
 from eagle3.support.gpu import LockSettings
 from eagle3.support.paths import PREFECT_YAML, resolve_path
-from eagle3.support.settings import RUNTIME
+from eagle3.support.settings import RUNTIME, SETTINGS_MODEL
 from eagle3.train.config import TrainConfig
 from eagle3.validate.config import ValidateConfig
 from eagle3.vocab import VocabConfig
@@ -86,7 +86,7 @@ class HostConfig(LockSettings):
     that uses the GPUs (extraction, training, vLLM validation, regeneration) holds both (tasks/common.py gpu_guard),
     occupying one slot per device it uses (at least one, on CPU too)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = SETTINGS_MODEL
 
     gpu_concurrency_limit: str | None = Field(
         None, description="Name of the Prefect global concurrency limit of this host (slots = GPUs), made by "
@@ -99,7 +99,7 @@ class HostConfig(LockSettings):
 class NodeHost(BaseModel):
     """One host of a multi-node training: where its node's flow run goes and which guard it takes there."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = SETTINGS_MODEL
 
     work_queue: str = Field(description="The work queue this host's worker polls (deployments/start_worker.sh POOL "
                             "QUEUE): the node's flow run is placed on it.", json_schema_extra=RUNTIME)
@@ -118,7 +118,7 @@ class NodePlacement(BaseModel):
     host, node 0 first, each on its host's work queue, waits for all of them, and fails (cancelling the others) when
     one fails. Placement never changes what is trained."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = SETTINGS_MODEL
 
     deployment: str = Field(
         "eagle3-train-node/train-node", description="The deployment that runs one node (flow eagle3-train-node, "
@@ -135,7 +135,7 @@ class NodePlacement(BaseModel):
 class PipelineConfig(BaseModel):
     """Chat data + a verifier checkpoint -> an EAGLE-3 draft checkpoint that vLLM loads, with measured acceptance."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(**SETTINGS_MODEL, populate_by_name=True)
 
     run_name: str = Field("tiny-demo", description="Name of the run: its folder under runs_dir and the start of "
                           "the flow-run name.")

@@ -231,6 +231,37 @@ def test_bad_pipeline_config_names_the_field():
         load_config("tiny", {"extract": {"not_a_field": 1}})
 
 
+def _float_settings(model: type, prefix: str = "") -> list[str]:
+    """Dotted paths of every float setting under ``model`` (nested settings models followed, Optional unwrapped)."""
+    import types
+    import typing
+
+    from pydantic import BaseModel
+
+    out = []
+    for attr, field in model.model_fields.items():
+        name = field.alias or attr  # as a preset spells it (PipelineConfig.validate_ is "validate")
+        union = typing.get_origin(field.annotation) in (typing.Union, types.UnionType)
+        args = typing.get_args(field.annotation) if union else (field.annotation,)
+        nested = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+        if nested:
+            out += _float_settings(nested[0], f"{prefix}{name}.")
+        elif float in args:
+            out.append(prefix + name)
+    return out
+
+
+def test_every_float_setting_refuses_inf_and_nan_naming_the_field():
+    paths = _float_settings(PipelineConfig)
+    assert {"train.lr", "train.feature_noise", "capacity.disk_margin_fraction", "host.lock_wait_seconds"} <= set(paths)
+    for path in paths:
+        for bad in ("inf", "-inf", "nan"):  # what `--set KEY=inf` gives (parse_set keeps the string; pydantic reads it)
+            with pytest.raises(ConfigError, match=rf"{re.escape(path)}: Input should be a finite number"):
+                load_config("tiny", parse_set([f"{path}={bad}"]))
+    with pytest.raises(ConfigError, match=r"train\.adam_betas\.0: Input should be a finite number"):  # inside a tuple
+        load_config("tiny", parse_set(["train.adam_betas=[NaN, 0.95]"]))
+
+
 def test_config_reference_is_up_to_date():
     from eagle3.support.config_reference import render
 

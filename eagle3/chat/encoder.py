@@ -16,17 +16,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 from jinja2 import TemplateError
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from eagle3.chat.errors import BadRow, DataError
-from eagle3.support.settings import RUNTIME
+from eagle3.support.settings import RUNTIME, SETTINGS_MODEL
 
 
 class ChatSettings(BaseModel):
     """What renders conversations into verifier tokens: set once (the pipeline's data section) and used by prepare,
     regeneration and validation alike."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = SETTINGS_MODEL
 
     tokenizer_path: str = Field(
         description="Verifier (or its tokenizer) folder: its tokenizer and chat template render the conversations.",

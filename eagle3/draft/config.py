@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from eagle3.support.settings import SETTINGS_MODEL
 from eagle3.support.verifier import VerifierSpec
 
 DraftKind = Literal["llama", "mla"]
@@ -76,7 +77,7 @@ class DraftArchitecture(BaseModel):
     target's ``embed_tokens`` when the checkpoint omits it, which is valid only at equal width).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = SETTINGS_MODEL
 
     kind: DraftKind = Field(
         "llama", description="The draft's attention: 'llama' (vLLM's Eagle3LlamaForCausalLM: q/k/v heads) or 'mla' "

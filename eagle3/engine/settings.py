@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, Field, create_model
 
-from eagle3.support.settings import RUNTIME
+from eagle3.support.settings import RUNTIME, SETTINGS_MODEL
 
 # vLLM's CPU worker reserves gpu_memory_utilization x the host's memory and refuses to start when that much is not
 # free (vllm/v1/worker/cpu_worker.py); its KV cache is VLLM_CPU_KVCACHE_SPACE GiB (eagle3.support.paths sets 1).
@@ -30,7 +30,7 @@ CPU_MLA_BACKEND = "CPU_MLA"
 class EngineSettings(BaseModel):
     """How the verifier runs in vLLM, for every stage that starts an engine."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = SETTINGS_MODEL
 
     vllm_python: str | None = Field(
         None, description="Interpreter of the vLLM environment; None = $EAGLE3_VLLM_PYTHON, else the checkout's "
@@ -79,7 +79,7 @@ def _optional(name: str) -> tuple[Any, Any]:
 
 
 # A stage section's overrides: the same fields, each None (inherit) by default; defined by EngineSettings alone.
-EngineOverrides = create_model("EngineOverrides", __config__=ConfigDict(extra="forbid"),
+EngineOverrides = create_model("EngineOverrides", __config__=SETTINGS_MODEL,
                                **{n: _optional(n) for n in EngineSettings.model_fields})
 
 VALIDATE_TIMEOUT_S = 1800.0  # validation's engine jobs by default: a draft vLLM cannot serve must not hang the run

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from eagle3.engine.settings import EngineSettings
 from eagle3.support.dtypes import describe_compute_dtype, device_type, resolve_store_dtype
-from eagle3.support.settings import INLINE, RESUMABLE, RUNTIME
+from eagle3.support.settings import INLINE, RESUMABLE, RUNTIME, SETTINGS_MODEL
 from eagle3.support.verifier import VerifierSpec
 
 
 class ExtractConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = SETTINGS_MODEL
 
     verifier: str = Field(description="Path of the verifier's Hugging Face model folder (config.json + safetensors).",
                           json_schema_extra=RUNTIME)  # keyed by content: the verifier identity

@@ -6,10 +6,10 @@ from __future__ import annotations
 import hashlib
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from eagle3.engine.settings import EngineSettings
-from eagle3.support.settings import INLINE, RUNTIME
+from eagle3.support.settings import INLINE, RUNTIME, SETTINGS_MODEL
 
 
 def request_seed(seed: int, *, index: int, turn: int, answer: int) -> int:
@@ -33,7 +33,7 @@ def journal_key(entry: dict) -> tuple[int, int]:
 class RegenerateConfig(BaseModel):
     """The verifier writes the assistant turns itself (sampling settings, batching, the vLLM engine)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = SETTINGS_MODEL
 
     enabled: bool = Field(False, description="Regenerate every assistant turn with the verifier before extraction "
                           "(on-policy training data; peers treat it as required). Off: train on the dataset's own "

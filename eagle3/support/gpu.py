@@ -37,7 +37,7 @@ import psutil
 import torch
 from pydantic import BaseModel, Field
 
-from eagle3.support.settings import RUNTIME
+from eagle3.support.settings import RUNTIME, SETTINGS_MODEL
 
 log = logging.getLogger("eagle3.support.gpu")
 
@@ -103,6 +103,8 @@ def free_memory(device: torch.device | str | None = None) -> None:
 
 class LockSettings(BaseModel):
     """Where the host's GPU lock files live and how long a job waits for a busy one (the pipeline's host config)."""
+
+    model_config = SETTINGS_MODEL
 
     lock_dir: str | None = Field(
         None, description="Host-local folder of the GPU/host lock files; None = $EAGLE3_LOCK_DIR or "

@@ -15,7 +15,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
+
+# every settings model's pydantic config: an unknown key is an error, and so is a float setting given as inf or NaN
+# (`--set train.lr=inf` would otherwise train on NaN): one error naming the field
+SETTINGS_MODEL = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 FLAG = "changes_output"
 RUNTIME = {FLAG: False}

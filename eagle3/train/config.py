@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from eagle3.draft.config import DraftArchitecture
-from eagle3.support.settings import RESUMABLE, RUNTIME
+from eagle3.support.settings import RESUMABLE, RUNTIME, SETTINGS_MODEL
 
 
 class TrainError(ValueError):
@@ -17,7 +17,7 @@ class TrainError(ValueError):
 class TrainConfig(BaseModel):
     """Draft training settings (EAGLE-3 / SpecForge defaults where they exist)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = SETTINGS_MODEL
 
     epochs: int = Field(10, gt=0, description="Passes over the training split.")
     lr: float = Field(1e-4, gt=0, description="Peak learning rate (AdamW; Muon: lr x muon_lr_scale), per optimizer "
@@ -61,7 +61,7 @@ class TrainConfig(BaseModel):
     lk_eta: float = Field(3.0, ge=0, description="'lk_lambda' loss: how fast the KL weight falls with the acceptance "
                           "rate alpha (a fraction), lam = exp(-lk_eta * alpha); 0 = pure KL.")
     feature_noise: float = Field(
-        0.0, ge=0, allow_inf_nan=False, description="Uniform noise U(-x, x) added to the aux hidden states (fc's input) of every training "
+        0.0, ge=0, description="Uniform noise U(-x, x) added to the aux hidden states (fc's input) of every training "
         "micro-batch, in the states' own units; never to validation. An augmentation against memorizing the stored "
         "states: EAGLE-1/2 train with uniform noise on the features; speculators' trainer after 0.9.0 adds U(-0.05, "
         "0.05) by default (--noise-std; 0.9.0 has none). Seeded by (seed, optimizer step, process, micro-batch): a "

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, Field, field_validator
 
 from eagle3.engine.settings import VALIDATE_TIMEOUT_S, EngineSettings
-from eagle3.support.settings import INLINE, RUNTIME
+from eagle3.support.settings import INLINE, RUNTIME, SETTINGS_MODEL
 
 
 class ValidateConfig(BaseModel):
     """Settings of the validation stage (structural check, vLLM run, offline parity, verdict)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = SETTINGS_MODEL
 
     prompts_path: str = Field(
         "data/stdlib-chat/eval.openai.jsonl", description="Held-out chat conversations (OpenAI or ShareGPT jsonl); "
