@@ -12,6 +12,8 @@ Pipeline position: prepare -> **vocab** -> train / validate / checkpoint.
 
   as vLLM's ``Eagle3LlamaForCausalLM`` reads them (see shared/EAGLE3_FACTS.md).
 * ``save_mapping`` / ``load_mapping`` write and check ``mapping.safetensors`` + ``report.json``.
+* ``sized_to_data``: the vocab stage's draft vocabulary size when the data holds fewer distinct assistant tokens than
+  ``draft_vocab_size`` (``VocabConfig.size_to_data``): the seen ids, rounded up to a multiple of ``VOCAB_ALIGN``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import ClassVar
 import numpy as np
 import pyarrow.compute as pc
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
@@ -31,6 +33,7 @@ from eagle3.chat.dataset import PreparedDataset
 from eagle3.prepare import PreparedData
 from eagle3.support.artifacts import Artifact, file_problem
 from eagle3.support.io import atomic_path, atomic_write_json, save_safetensors, sha256_file
+from eagle3.support.settings import SETTINGS_MODEL
 
 log = logging.getLogger("eagle3")
 
@@ -38,6 +41,7 @@ MAPPING_FILE = "mapping.safetensors"
 REPORT_FILE = "report.json"
 _BATCH_SAMPLES = 4096  # samples per Arrow record batch while counting (memory ~ batch tokens * 9 bytes)
 _TOP_TOKENS_IN_REPORT = 50
+VOCAB_ALIGN = 64  # a data-sized draft vocabulary is a multiple of this many rows (lm_head GEMM tiles on GPUs)
 
 
 class VocabError(ValueError):
@@ -47,13 +51,22 @@ class VocabError(ValueError):
 class VocabConfig(BaseModel):
     """Draft-vocabulary knobs. Frequencies are always counted over loss-masked (assistant) tokens."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = SETTINGS_MODEL
 
     draft_vocab_size: int = Field(
         32000,
         gt=0,
         description="Size of the draft model's output vocabulary, in tokens: the most frequent assistant-token ids "
-        "of the training data (32000 in the public Kimi-K2 EAGLE-3 draft).",
+        "of the training data (32000 in the public Kimi-K2 EAGLE-3 draft); with size_to_data, the most it holds.",
+    )
+    size_to_data: bool = Field(
+        True,
+        description="When the data holds fewer distinct assistant tokens than draft_vocab_size, keep only those (rounded "
+        "up to a multiple of 64 rows, the last slots then unseen ids, lowest first) instead of filling every slot with "
+        "unseen ids the draft never sees as a target: the lm_head, its log-softmax and the teacher rows shrink with "
+        "it. On SmolLM2 with 300 regenerated conversations (2,685 distinct tokens) a 4,096-slot draft trained 1.20x "
+        "faster than an 8,192-slot one to the same vLLM acceptance (README). false = always draft_vocab_size slots, "
+        "unseen ids filling the rest, lowest first.",
     )
 
 
@@ -130,8 +143,14 @@ def build_vocab_mapping(counts: torch.Tensor, draft_vocab_size: int) -> tuple[to
             f"only {distinct} distinct assistant tokens were seen; the other {report['unseen_tokens_filled']} draft "
             "slots hold unseen target ids, lowest ids first"
         )
-        log.warning("[vocab] %s", report["note"])
     return d2t, t2d, report
+
+
+def sized_to_data(distinct_seen: int, draft_vocab_size: int) -> int:
+    """The draft vocabulary for ``distinct_seen`` distinct assistant tokens, at most ``draft_vocab_size``: the seen ids
+    rounded up to a multiple of ``VOCAB_ALIGN`` (at least one multiple)."""
+    aligned = max(1, -(-distinct_seen // VOCAB_ALIGN)) * VOCAB_ALIGN
+    return min(draft_vocab_size, aligned)
 
 
 def save_mapping(out_dir: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, report: dict) -> Path:
@@ -215,17 +234,30 @@ def build_vocab(cfg: VocabConfig, dataset: PreparedData | str | Path, target_voc
             f"draft_vocab_size {cfg.draft_vocab_size} is larger than the target vocabulary ({target_vocab_size} tokens)"
         )
     counts = count_assistant_tokens(dataset_dir, target_vocab_size)
-    d2t, t2d, report = build_vocab_mapping(counts, cfg.draft_vocab_size)
-    report["dataset"] = str(dataset_dir)
+    size = cfg.draft_vocab_size
+    if cfg.size_to_data:
+        size = sized_to_data(int((counts > 0).sum()), cfg.draft_vocab_size)
+    d2t, t2d, report = build_vocab_mapping(counts, size)
+    report.update(dataset=str(dataset_dir), configured_draft_vocab_size=cfg.draft_vocab_size,
+                  size_to_data=cfg.size_to_data)
+    if size < cfg.draft_vocab_size:
+        report["note"] = (
+            f"sized to the data (size_to_data): {report['distinct_tokens_seen']} distinct assistant tokens seen, so "
+            f"{size} draft slots (a multiple of {VOCAB_ALIGN}) instead of draft_vocab_size {cfg.draft_vocab_size}"
+            + (f"; the last {report['unseen_tokens_filled']} hold unseen ids" if report["unseen_tokens_filled"] else "")
+        )
+        log.info("[vocab] %s", report["note"])
+    elif report["unseen_tokens_filled"]:
+        log.warning("[vocab] %s", report["note"])
     mapping = save_mapping(out_dir, d2t, t2d, report)
     log.info(
         "[vocab] draft vocab %d of %d: %d distinct assistant tokens seen, coverage %.4f of %d assistant tokens",
-        cfg.draft_vocab_size, target_vocab_size, report["distinct_tokens_seen"], report["coverage"],
+        size, target_vocab_size, report["distinct_tokens_seen"], report["coverage"],
         report["assistant_token_occurrences"],
     )
     result = VocabMapping(
         out_dir=str(out_dir), fingerprint=sha256_file(mapping), mapping_path=str(mapping),
-        report_path=str(Path(out_dir) / REPORT_FILE), draft_vocab_size=cfg.draft_vocab_size,
+        report_path=str(Path(out_dir) / REPORT_FILE), draft_vocab_size=size,
         target_vocab_size=target_vocab_size, distinct_tokens_seen=report["distinct_tokens_seen"],
         assistant_token_occurrences=report["assistant_token_occurrences"], coverage=report["coverage"])
     result.save()

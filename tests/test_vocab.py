@@ -19,6 +19,7 @@ from eagle3.vocab import (
     count_assistant_tokens,
     load_mapping,
     save_mapping,
+    sized_to_data,
 )
 
 FEATURES = datasets.Features(
@@ -127,6 +128,35 @@ def test_draft_vocab_larger_than_tokens_seen_fills_lowest_unseen_ids(tmp_path):
     report = json.loads(Path(result.report_path).read_text())
     assert result.distinct_tokens_seen == 2 and report["unseen_tokens_filled"] == 4
     assert "4 draft slots hold unseen" in report["note"]
+
+
+def test_sized_to_data_rounds_the_seen_tokens_up_to_64_rows_at_most_the_configured_size():
+    assert [sized_to_data(n, 8192) for n in (0, 1, 64, 65, 2685, 8191, 8192, 20000)] == \
+        [64, 64, 64, 128, 2688, 8192, 8192, 8192]
+    assert sized_to_data(2685, 2000) == 2000 and sized_to_data(3, 6) == 6
+
+
+def test_draft_vocab_sized_to_the_data_keeps_every_seen_token(tmp_path):
+    """150 distinct assistant tokens, 512 slots configured: 192 slots (the seen 150 + the 42 lowest unseen ids);
+    size_to_data false keeps 512. Same seen tokens either way, coverage 1."""
+    rng = random.Random(3)
+    seen = sorted(rng.sample(range(10, 1000), 150))
+    ids = [[1, 2] + rng.sample(seen, 40) for _ in range(20)] + [[1, 2] + seen]  # every seen id at least once
+    path = save_dataset(tmp_path / "ds", ids, [[0, 0] + [1] * (len(r) - 2) for r in ids])  # prompt ids 1, 2 unseen
+    sized = build_vocab(VocabConfig(draft_vocab_size=512), path, 1000, tmp_path / "sized")
+    fixed = build_vocab(VocabConfig(draft_vocab_size=512, size_to_data=False), path, 1000, tmp_path / "fixed")
+    assert (sized.draft_vocab_size, fixed.draft_vocab_size) == (192, 512)
+    assert sized.distinct_tokens_seen == fixed.distinct_tokens_seen == 150
+    assert sized.coverage == fixed.coverage == 1.0
+    d2t, t2d = load_mapping(sized.mapping_path)
+    kept = (torch.arange(192) + d2t).tolist()
+    assert kept == sorted(seen + [i for i in range(1000) if i not in seen][:42])  # seen + the lowest unseen
+    assert torch.nonzero(t2d).flatten().tolist() == kept
+    report = json.loads(Path(sized.report_path).read_text())
+    assert report["configured_draft_vocab_size"] == 512 and report["size_to_data"] is True
+    assert "150 distinct assistant tokens seen, so 192 draft slots" in report["note"]
+    assert "the last 42 hold unseen ids" in report["note"]
+    assert len(load_mapping(fixed.mapping_path)[0]) == 512
 
 
 def test_draft_vocab_larger_than_target_is_one_clear_error(dataset, tmp_path):
