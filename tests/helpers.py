@@ -174,7 +174,7 @@ TINY = {"lr": 3e-3, "batch_size": 2, "max_seq_len": 256, "ttt_steps": 3, "log_ev
 def make_store(root: Path, verifier: Path, ids: list[list[int]], masks: list[list[int]], aux_layer_ids: list[int],
                draft_vocab: int, vocab_size: int, store_dtype: str = "float32") -> tuple[Path, Path]:
     """Prepared-dataset layout -> the extraction stage's store (transformers backend, float32 unless
-    ``store_dtype``) + the vocab stage's mapping. Returns (store dir, mapping path)."""
+    ``store_dtype``) + the vocab stage's mapping of exactly ``draft_vocab`` rows. Returns (store dir, mapping path)."""
     import datasets
 
     from eagle3.extract.stage import extract_hidden_states
@@ -185,7 +185,7 @@ def make_store(root: Path, verifier: Path, ids: list[list[int]], masks: list[lis
     extract_hidden_states({"verifier": str(verifier), "aux_layer_ids": aux_layer_ids, "store_dtype": store_dtype,
                            "device": "cpu", "log_every_samples": 0,
                            "log_every_seconds": 0}, ds, root / "store")
-    vocab = build_vocab(VocabConfig(draft_vocab_size=draft_vocab), ds, vocab_size, root / "vocab")
+    vocab = build_vocab(VocabConfig(draft_vocab_size=draft_vocab, size_to_data=False), ds, vocab_size, root / "vocab")
     return root / "store", Path(vocab.mapping_path)
 
 

@@ -351,7 +351,7 @@ def tiny(work, bundled_verifier, tiny_prep) -> Extracted:
 def tiny_vocab(work, bundled_verifier, tiny_prep) -> Path:
     vocab = build_vocab(VocabConfig(draft_vocab_size=2048), tiny_prep, VerifierSpec.from_path(bundled_verifier).vocab_size,
                         work / "tiny" / "vocab")
-    say(f"tiny vocab mapping: 2048 draft tokens, coverage {vocab.coverage:.3f}")
+    say(f"tiny vocab mapping: {vocab.draft_vocab_size} draft tokens, coverage {vocab.coverage:.3f}")
     return Path(vocab.mapping_path)
 
 
