@@ -50,7 +50,9 @@ def main() -> None:
     runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="eagle3-onpolicy-")
     common = {"runs_dir": runs_dir, "data.max_samples": args.samples, "train.epochs": args.epochs,
               "validate.num_prompts": args.prompts, "validate.compare_untrained": False,
-              "validate.speed_repeats": 1, "validate.min_mean_acceptance_length": None, **parse_set(args.set)}
+              "validate.speed_repeats": 1, "validate.min_mean_acceptance_length": None,
+              "vocab.size_to_data": False,  # A's and B's answers hold different tokens: one draft size for all
+              **parse_set(args.set)}
     print(f"runs in {runs_dir}; machine load (1/5/15 min) at start: {_load()}", flush=True)
     rows = {}
 

@@ -143,12 +143,14 @@ def tokens_per_step(overrides: list[str]) -> int:
 
 
 def train_speculators(python: str, data: Path, samples: int, epochs: int, out: Path, step_tokens: int) -> dict:
+    import numpy as np
+
     from tools.gguf_convert import SMOLLM2_DIR
 
     cmd = [python, str(REPO / "bench" / "speculators_cpu.py"),
            "--verifier-name-or-path", str(SMOLLM2_DIR), "--data-path", str(data), "--speculator-type", "eagle3",
            "--target-layer-ids", "2", "15", "27", "--d2t-path", str(data / "d2t.npy"), "--t2d-path",
-           str(data / "t2d.npy"), "--draft-vocab-size", "8192", "--epochs", str(epochs),
+           str(data / "t2d.npy"), "--draft-vocab-size", str(len(np.load(data / "d2t.npy"))), "--epochs", str(epochs),
            "--total-seq-len", str(step_tokens),
            "--train-data-ratio", "0.95", "--num-workers", "1", "--prefetch-factor", "2", "--ttt-steps", "3",
            "--save-path", str(out / "checkpoints"), "--log-dir", str(out / "logs"), "--no-resume-from-checkpoint",
