@@ -428,8 +428,7 @@ class TrainingShape(BaseModel):
     batch_size: int = Field(gt=0, description="Packed sequences per optimizer step, all processes together.")
     nodes: int = Field(gt=0, description="Hosts training together.")
     nproc: int = Field(gt=0, description="Training processes (GPUs) per host.")
-    draft_vocab_size: int = Field(gt=0, description="Draft vocabulary, tokens (the lm_head's rows): the configured "
-                                  "size, so an upper bound where vocab.size_to_data shrinks it to the data's tokens.")
+    draft_vocab_size: int = Field(gt=0, description="Draft vocabulary, tokens (configured; size_to_data: at most).")
     draft: DraftArchitecture = Field(description="The draft's architecture options (its parameter count).")
 
 

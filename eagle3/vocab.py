@@ -61,11 +61,11 @@ class VocabConfig(BaseModel):
     )
     size_to_data: bool = Field(
         True,
-        description="When the data holds fewer distinct assistant tokens than draft_vocab_size, keep only those (rounded "
-        f"up to a multiple of {VOCAB_ALIGN} rows, the last slots then unseen ids, lowest first) instead of filling every "
-        "slot with unseen ids the draft never sees as a target: the lm_head, its log-softmax and the teacher rows "
-        "shrink with it (faster training at the same vLLM acceptance: README, 'The draft vocabulary's size'). false = "
-        "always draft_vocab_size slots, unseen ids filling the rest, lowest first.",
+        description="When the data holds fewer distinct assistant tokens than draft_vocab_size, keep only those "
+        f"(rounded up to a multiple of {VOCAB_ALIGN} rows, the last slots then unseen ids, lowest first) instead of "
+        "filling every slot with unseen ids the draft never sees as a target: the lm_head, its log-softmax and the "
+        "teacher rows shrink with it (1.3x faster training, vLLM acceptance within about 1%: README, 'The draft "
+        "vocabulary's size'). false = always draft_vocab_size slots, unseen ids filling the rest, lowest first.",
     )
 
 

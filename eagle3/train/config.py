@@ -41,8 +41,8 @@ class TrainConfig(BaseModel):
     muon_momentum: float = Field(0.95, ge=0, lt=1, description="optimizer 'muon': Muon's (Nesterov) momentum.")
     muon_weight_decay: float = Field(0.1, ge=0, description="optimizer 'muon': Muon's decoupled weight decay "
                                      "(per step, times its lr).")
-    max_grad_norm: float = Field(0.5, gt=0, description="Gradient clipping: max global L2 norm (a large finite value such as "
-                                 "1e9 turns it off; inf is refused like every float setting).")
+    max_grad_norm: float = Field(0.5, gt=0, description="Gradient clipping: max global L2 norm (a large finite value "
+                                 "such as 1e9 turns it off; inf is refused like every float setting).")
     batch_size: int = Field(8, gt=0, description="Packed sequences per optimizer step, over all processes and "
                             "accumulation micro-steps (the global batch). Must be a multiple of "
                             "nodes * nproc * grad_accum_steps.")
