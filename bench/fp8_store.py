@@ -98,7 +98,8 @@ def main() -> None:
     data = prepare_data({"sources": [str(REPO_ROOT / "data/stdlib-chat/train.openai.jsonl")],
                          "tokenizer_path": str(SMOLLM2_DIR), "max_seq_len": 768, "max_samples": args.samples,
                          "shuffle_seed": 0}, work / "prepare")
-    vocab = build_vocab(VocabConfig(draft_vocab_size=8192, size_to_data=False), data, spec.vocab_size, work / "vocab")
+    vocab = build_vocab(VocabConfig(draft_vocab_size=8192, size_to_data=False), data, spec.vocab_size,
+                        work / "vocab")
     print(f"prepared {data.samples} samples, {data.total_tokens:,} tokens; vocab coverage "
           f"{json.loads(Path(vocab.report_path).read_text())['coverage']:.4f} ({time.monotonic() - t0:.0f} s)",
           flush=True)

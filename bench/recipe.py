@@ -118,14 +118,16 @@ def _row(name, overrides, ckpt, report, wall, common, args, log_path) -> dict:
     row = {"variant": name, "overrides": overrides, "vllm": acc["mean_acceptance_length"],
            "per_position": acc["per_position_acceptance"], "lossless": report["vllm"]["lossless"],
            "sim": (ckpt.final_val or {}).get("sim_accept_len"), "best_epoch": ckpt.best_epoch,
-           "steps": ckpt.global_step, "tokens": ckpt.tokens_seen, "draft_vocab_size": ckpt.draft_vocab_size, "train_s": ckpt.wall_s, "flow_s": wall,
+           "steps": ckpt.global_step, "tokens": ckpt.tokens_seen, "draft_vocab_size": ckpt.draft_vocab_size,
+           "train_s": ckpt.wall_s, "flow_s": wall,
            "load_end": _load(), "common": common, "prompts": args.prompts,
            "from_run": str(args.from_run) if args.from_run else None}
     with log_path.open("a") as f:
         f.write(json.dumps(row) + "\n")
     print(f"{name}: vLLM mean acceptance length {row['vllm']:.3f} (per position "
           f"{[round(x, 3) for x in row['per_position']]}), trainer sim {row['sim']:.3f}, {row['steps']} steps, "
-          f"{row['tokens']:,} tokens, draft vocab {row['draft_vocab_size']:,}, train {row['train_s']:.0f} s, flow {wall:.0f} s, load {row['load_end']}",
+          f"{row['tokens']:,} tokens, draft vocab {row['draft_vocab_size']:,}, train {row['train_s']:.0f} s, "
+          f"flow {wall:.0f} s, load {row['load_end']}",
           flush=True)
     return row
 

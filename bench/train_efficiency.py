@@ -76,7 +76,8 @@ def main() -> None:
         extract_hidden_states({"verifier": str(verifier), "aux_layer_ids": [1, 2, 3], "store_dtype": "float32",
                                "device": "cpu", "log_every_samples": 0,
                                "log_every_seconds": 0}, ds, tmp / "store")
-        vocab = build_vocab(VocabConfig(draft_vocab_size=8192, size_to_data=False), ds, 8192, tmp / "vocab")["mapping_path"]
+        vocab = build_vocab(VocabConfig(draft_vocab_size=8192, size_to_data=False), ds, 8192,
+                            tmp / "vocab")["mapping_path"]
         peak_before = matmul_peak()
         cfg = TrainConfig(epochs=1, batch_size=2, max_seq_len=args.max_seq_len, ttt_steps=args.ttt_steps,
                           val_ratio=0.0, eval_before_training=False, log_every_steps=1000, device="cpu",

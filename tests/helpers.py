@@ -185,7 +185,8 @@ def make_store(root: Path, verifier: Path, ids: list[list[int]], masks: list[lis
     extract_hidden_states({"verifier": str(verifier), "aux_layer_ids": aux_layer_ids, "store_dtype": store_dtype,
                            "device": "cpu", "log_every_samples": 0,
                            "log_every_seconds": 0}, ds, root / "store")
-    vocab = build_vocab(VocabConfig(draft_vocab_size=draft_vocab, size_to_data=False), ds, vocab_size, root / "vocab")
+    vocab = build_vocab(VocabConfig(draft_vocab_size=draft_vocab, size_to_data=False), ds, vocab_size,
+                        root / "vocab")
     return root / "store", Path(vocab.mapping_path)
 
 

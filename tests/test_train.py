@@ -328,8 +328,6 @@ def test_feature_noise_trains_on_noised_states_and_resumes_exactly(random_store,
     noisy, clean = _records(tmp_path / "full"), _records(tmp_path / "plain")
     assert noisy[0]["event"] == clean[0]["event"] == "val" and noisy[0] == clean[0]
     assert noisy[1]["event"] == "train" and noisy[1]["loss"] != clean[1]["loss"]
-    with pytest.raises(ValueError, match="feature_noise"):  # one clear error naming the field, no NaN training
-        TrainConfig(feature_noise=float("inf"))
     with pytest.raises(TrainError, match="feature_noise"):  # another noise is another run: no silent resume
         train_draft(cfg.model_copy(update={"feature_noise": 0.1, "epochs": 2}), store, vocab, tmp_path / "resumed",
                     verifier=tiny_llama_verifier)
