@@ -20,6 +20,7 @@ from tools import tiny_verifier as bundled
 from tools.tiny_verifier import (
     DEFAULT_DATA_DIR,
     DEFAULT_MODEL_DIR,
+    build_package_conversations,
     build_short_doc_conversations,
     build_stdlib_conversations,
     greedy_generate,
@@ -168,6 +169,40 @@ def test_short_doc_prompts_are_new_training_objects_and_rebuild_exactly():
     manifest = json.loads((DEFAULT_DATA_DIR / "manifest.json").read_text())
     assert manifest["short_docs"]["conversations"] == len(short)
     assert manifest["sha256"][bundled.SHORT_DOCS_FILE] == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_package_prompts_ask_about_a_package_and_never_name_an_avoided_topic(tmp_path, monkeypatch):
+    """build_package_conversations (bench/topic_prompts.py's new-topic prompts) on a package written here: its
+    public submodules one level down are asked about, private, test and deeper ones are not, a conversation whose
+    question names an avoided word is dropped, and a docstring shared by two modules is asked once."""
+    doc = "A docstring long enough to be asked about: it explains what the object does in some detail here."
+    files = {
+        "weatherkit/__init__.py": f'"""Weather forecasts. {doc}"""\n',
+        "weatherkit/radar.py": (f'"""Radar images. {doc}"""\n\ndef sweep(angle):\n    """Sweep. {doc}"""\n\n'
+                                f'class Dish:\n    """A dish. {doc}"""\n\n'
+                                f'    def turn(self):\n        """Turn. {doc}"""\n'),
+        "weatherkit/jsonfeed.py": f'"""A feed. {doc}"""\n\ndef pull():\n    """Pull. {doc}"""\n',
+        "weatherkit/_private.py": f'"""Private. {doc}"""\n',
+        "weatherkit/tests/__init__.py": f'"""Tests. {doc}"""\n',
+        "weatherkit/deep/__init__.py": f'"""Deep. {doc}"""\n',
+        "weatherkit/deep/deeper.py": f'"""Deeper. {doc}"""\n',
+        "weatherkit/zcopy.py": f'"""Radar images. {doc}"""\n',  # the radar module's docstring again
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    built = build_package_conversations(["weatherkit", "no_such_package_here"], avoid=["json"])
+    asked = {c.module for c in built}
+    # not jsonfeed (avoided), deeper (2 levels down), zcopy (a copy), _private, tests
+    assert asked == {"weatherkit", "weatherkit.radar", "weatherkit.deep"}
+    objects = sorted(m["content"] for c in built for m in c.messages if m["role"] == "assistant")
+    assert len(objects) == 6 == len(set(objects))  # the package, radar, sweep, Dish, Dish.turn, deep
+    assert all(c.split == "train" for c in built)
+    questions = " ".join(m["content"] for c in built for m in c.messages if m["role"] == "user")
+    assert "weatherkit.radar" in questions and "json" not in questions.lower()
+    assert {c.module for c in build_package_conversations(["weatherkit"], avoid=["JSON"])} == asked  # any case
+    assert {c.module for c in build_package_conversations(["weatherkit"])} == asked | {"weatherkit.jsonfeed"}
 
 
 def test_builder_is_deterministic_across_processes_and_hash_seeds():

@@ -9,6 +9,8 @@ from text every Python install carries, the docstrings of the standard library:
     build_short_doc_conversations() -> data/stdlib-chat/train-short.openai.jsonl: the objects whose docstrings are
                                      too short to teach the tiny verifier, as prompts for a verifier that writes
                                      its own answers (regeneration); never used to train the tiny verifier
+    build_package_conversations() -> the same questions about installed third-party packages (new topics, for
+                                     regeneration; bench/topic_prompts.py); never bundled
     train_tokenizer()             ->  byte-level BPE, vocab 8192, role tokens, Jinja chat template
     train_tiny_llama()            ->  LlamaForCausalLM (4 layers, hidden 256, untied lm_head), saved in bf16
     write_model_card()            ->  README.md beside the weights
@@ -382,6 +384,50 @@ def build_short_doc_conversations(modules: Iterable[str] | None = None, seed: in
                 seen.add((entry.name, entry.doc))
                 entries.append(entry)
         conversations.extend(module_conversations(module, entries, seed=seed))
+    return conversations
+
+
+def package_module_names(package: str, depth: int = 1) -> list[str]:
+    """``package`` and its public, importable submodules at most ``depth`` dots below it, sorted ([] when the
+    package does not import). Private, test and platform modules are left out by the standard library's rules."""
+    mod = _try_import(package)
+    if mod is None or _excluded_module(package):
+        return []
+    names = {package}
+    if depth > 0 and hasattr(mod, "__path__"):
+        for info in pkgutil.iter_modules(mod.__path__, package + "."):
+            if not _excluded_module(info.name) and _try_import(info.name) is not None:
+                names.update(package_module_names(info.name, depth - 1))
+    return sorted(names)
+
+
+def build_package_conversations(packages: Sequence[str], avoid: Iterable[str] = (), depth: int = 1,
+                                seed: int = 0) -> list[Conversation]:
+    """Conversations about installed packages other than the standard library (``packages``: import names), asked
+    exactly as build_stdlib_conversations asks, one package after another in the given order: new *topics* in the
+    stdlib chats' genre, as prompts for a verifier that writes its own answers (regeneration; the docstring answers
+    are placeholders there). A conversation whose user turns contain a string of ``avoid`` anywhere, in any case
+    (the evaluation split's top-level modules: "json" drops "orjson.dumps" and "jsonfeed" too), is dropped, so no
+    prompt asks about an evaluation topic. De-duplicated by docstring text in package order. ``split`` is "train"
+    on every one.
+
+    What a package holds depends on its installed version: record the versions beside anything built from this.
+    """
+    avoid = [a.lower() for a in avoid]
+    seen: set[str] = set()
+    conversations: list[Conversation] = []
+    for package in packages:
+        for module in package_module_names(package, depth):
+            entries = []
+            for entry in module_doc_entries(module):
+                if entry.doc not in seen:
+                    seen.add(entry.doc)
+                    entries.append(entry)
+            for conv in module_conversations(module, entries, seed=seed):
+                asks = " ".join(m["content"] for m in conv.messages if m["role"] == "user").lower()
+                if not any(a in asks for a in avoid):
+                    conv.split = "train"
+                    conversations.append(conv)
     return conversations
 
 
