@@ -297,6 +297,72 @@ def test_muon_updates_the_matrices_resumes_exactly_and_learns(random_store, tiny
     assert losses[-1] < 0.8 * losses[0]
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_muon_newton_schulz_dtype_follows_the_cpu_and_float32_muon_is_torch_muon_in_float32(monkeypatch, native):
+    """muon_ns_dtype "auto": torch's Muon (bf16 Newton-Schulz) on CUDA and on a CPU with native bf16 matmul,
+    Float32Muon elsewhere (both answers whichever CPU runs this: the CPU's capability is faked, the optimizers are
+    real). Float32Muon is torch's algorithm in float32: the same momentum buffers exactly, the same parameters to
+    bf16's rounding, a Newton-Schulz result near float64's where bf16's is not, and state that loads both ways."""
+    from eagle3.support import dtypes
+    from eagle3.train.optim import Float32Muon, build_optimizers, muon_lr, muon_ns_dtype, newton_schulz
+
+    monkeypatch.setattr(dtypes, "cpu_has_native_bf16", lambda: native)
+    cfg = TrainConfig(optimizer="muon", muon_lr_scale=4.0, lr=2e-3)
+    assert muon_ns_dtype(cfg, "cpu") == ("bfloat16" if native else "float32")
+    assert muon_ns_dtype(cfg, "cuda") == "bfloat16"
+    for forced in ("bfloat16", "float32"):
+        assert muon_ns_dtype(cfg.model_copy(update={"muon_ns_dtype": forced}), "cpu") == forced
+    model = torch.nn.Module()
+    model.fc = torch.nn.Linear(96, 40, bias=False)
+    muon = build_optimizers(model, cfg, "cpu")[0]
+    assert type(muon) is (torch.optim.Muon if native else Float32Muon)
+
+    torch.manual_seed(0)
+    start = torch.randn(40, 96)
+    grads = [torch.randn(40, 96) for _ in range(3)]
+    runs = {}
+    for kind in (torch.optim.Muon, Float32Muon):
+        weight = torch.nn.Parameter(start.clone())
+        opt = kind([weight], lr=8e-3, momentum=0.95, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+        for g in grads:
+            weight.grad = g.clone()
+            opt.step()
+        runs[kind] = (weight.detach(), opt)
+    (w_bf16, bf16_opt), (w_f32, f32_opt) = runs[torch.optim.Muon], runs[Float32Muon]
+    assert torch.equal(bf16_opt.state[bf16_opt.param_groups[0]["params"][0]]["momentum_buffer"],
+                       f32_opt.state[f32_opt.param_groups[0]["params"][0]]["momentum_buffer"])
+    moved = (w_f32 - start).abs().max()
+    assert moved > 0.01 and (w_f32 - w_bf16).abs().max() < 0.05 * moved  # 3 steps of 0.2 sqrt(96) x 8e-3 each
+
+    coefficients, eps = bf16_opt.param_groups[0]["ns_coefficients"], bf16_opt.param_groups[0]["eps"]
+    exact = newton_schulz(grads[0].double(), coefficients, 5, eps, torch.float64)
+    err32 = (newton_schulz(grads[0], coefficients, 5, eps, torch.float32).double() - exact).abs().max()
+    err16 = (newton_schulz(grads[0], coefficients, 5, eps, torch.bfloat16).double() - exact).abs().max()
+    assert err32 < 1e-5 and err16 > 1e-3  # measured 6e-7 and 7e-3, on entries up to 0.28
+    tall = newton_schulz(grads[0].T, coefficients, 5, eps, torch.float64)  # orthogonalized on the wide side
+    assert tall.shape == (96, 40) and torch.allclose(tall, exact.T)
+
+    one = torch.nn.Parameter(start.clone())  # one step of Float32Muon, written out with float32 Newton-Schulz
+    step = Float32Muon([one], lr=8e-3, momentum=0.95, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    one.grad = grads[0].clone()
+    step.step()
+    update = grads[0].lerp(0.05 * grads[0], 0.95)  # Nesterov: grad.lerp(buffer, momentum), buffer = 0.05 grad
+    expected = start * (1 - 8e-3 * 0.1) - muon_lr(8e-3, start.shape, "match_rms_adamw") * newton_schulz(
+        update, coefficients, 5, eps, torch.float32)
+    assert muon_lr(8e-3, start.shape, "match_rms_adamw") == pytest.approx(0.2 * 96 ** 0.5 * 8e-3)
+    assert torch.allclose(one.detach(), expected, rtol=0, atol=1e-6)
+
+    swapped = Float32Muon([torch.nn.Parameter(w_bf16.clone())], lr=8e-3, adjust_lr_fn="match_rms_adamw")
+    swapped.load_state_dict(bf16_opt.state_dict())  # a resume on a machine whose rule picks the other class
+    back = torch.optim.Muon([torch.nn.Parameter(w_f32.clone())], lr=8e-3, adjust_lr_fn="match_rms_adamw")
+    back.load_state_dict(f32_opt.state_dict())
+    for opt in (swapped, back):
+        param = opt.param_groups[0]["params"][0]
+        param.grad = grads[0].clone()
+        opt.step()
+        assert set(opt.state[param]) == {"momentum_buffer"} and torch.isfinite(param).all()
+
+
 def test_noised_aux_is_bounded_seeded_float32():
     from eagle3.train.data import noise_seed, noised_aux
 

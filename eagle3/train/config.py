@@ -41,6 +41,10 @@ class TrainConfig(BaseModel):
     muon_momentum: float = Field(0.95, ge=0, lt=1, description="optimizer 'muon': Muon's (Nesterov) momentum.")
     muon_weight_decay: float = Field(0.1, ge=0, description="optimizer 'muon': Muon's decoupled weight decay "
                                      "(per step, times its lr).")
+    muon_ns_dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto", description="optimizer 'muon': dtype of Muon's Newton-Schulz steps. 'auto' = bfloat16 (torch.optim."
+        "Muon's own) on CUDA and on a CPU with native bf16 matmul, float32 elsewhere (eagle3.train.optim.Float32Muon: "
+        "the same algorithm and state), where bf16 matmuls run ~20x slower than float32.")
     max_grad_norm: float = Field(0.5, gt=0, description="Gradient clipping: max global L2 norm (a large finite value "
                                  "such as 1e9 turns it off; inf is refused like every float setting).")
     batch_size: int = Field(8, gt=0, description="Packed sequences per optimizer step, over all processes and "

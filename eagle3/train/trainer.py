@@ -50,7 +50,7 @@ from eagle3.train.data import (
 from eagle3.train.dist import Dist
 from eagle3.train.memory import check_memory, free_device_memory, plan_training_memory
 from eagle3.train.metrics import METRICS, append_metrics, read_metrics, write_plots
-from eagle3.train.optim import build_optimizers, set_lr
+from eagle3.train.optim import build_optimizers, muon_ns_dtype, set_lr
 from eagle3.train.schedule import lr_at
 from eagle3.train.ttt import N_STATS, TrainingTimeTest, summarize
 from eagle3.vocab import load_mapping
@@ -136,11 +136,13 @@ class Trainer:
                                     cfg.step_weight_decay, self.autocast, loss=cfg.loss, lk_eta=cfg.lk_eta
                                     ).to(self.device)
         self.model = self._wrap(self.ttt)
-        self.optimizers = build_optimizers(self.draft, cfg)
-        if cfg.optimizer == "muon" and self.device.type == "cpu" and not cpu_has_native_bf16() and self.dist.main:
-            log.warning("[train] optimizer muon on a CPU without native bf16: torch's Muon runs its Newton-Schulz "
-                        "steps in bf16 whatever cpu_dtype says, and bf16 matmuls are ~20x slower here than on a CPU "
-                        "with AVX512-BF16 / AMX; set train.optimizer adamw if the steps are too slow")
+        self.optimizers = build_optimizers(self.draft, cfg, self.device)
+        if cfg.optimizer == "muon" and self.dist.main:
+            ns = muon_ns_dtype(cfg, self.device)
+            log.info("[train] Muon's Newton-Schulz steps in %s (muon_ns_dtype %s)", ns, cfg.muon_ns_dtype)
+            if ns == "bfloat16" and self.device.type == "cpu" and not cpu_has_native_bf16():
+                log.warning("[train] muon_ns_dtype bfloat16 on a CPU without native bf16: bf16 matmuls run ~20x "
+                            "slower than float32 here; muon_ns_dtype auto or float32 runs them in float32")
         self.epoch, self.step_in_epoch, self.global_step, self.tokens_seen = 0, 0, 0, 0
         # [K, N_STATS] float64: TTT stats of the steps since the last train record (or the epoch start); part of
         # the resume state, so the first record after a resume covers the same steps as in an uninterrupted run
