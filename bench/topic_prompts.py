@@ -8,7 +8,8 @@
 The README's finding: a draft trained on the stdlib chats predicts SmolLM2 at 2.7 on trained prompts, 2.3 on new
 questions about known modules and 2.1 on the held-out modules, so held-out acceptance is limited by topic coverage.
 This writes two prompt files of equal size that share their first ``--base`` conversations (the train file's rows
-after the smollm2 preset's shuffle, seed 0, as the demo takes them) and differ in the other ``--extra``:
+in the order the smollm2 preset's shuffle puts them, ``data.shuffle_seed``, the demo's first rows up to the few
+prepare drops as too long) and differ in the other ``--extra``:
 
     stdlib.openai.jsonl    the next ``--extra`` rows of the train file (more questions, mostly on modules the base
                            already asks about: the bundled data's way to grow)
@@ -31,11 +32,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/ is not an installed package
 
+from eagle3.config import load_config
 from eagle3.support.paths import BUNDLED_DATA
 from tools.tiny_verifier import Conversation, build_package_conversations, read_messages, write_openai
 
-# Import names of pure-Python packages that `make setup` installs (Prefect's, transformers' and the dev tools'
-# dependencies), varied in topic; none about JSON, maths or pretty-printing, the evaluation modules' topics.
+# Import names of packages that `make setup` installs (Prefect's, transformers' and the dev tools' dependencies),
+# varied in topic; no JSON library and no maths library (sympy, mpmath), the evaluation modules' topics, and a
+# question whose text contains an evaluation module's name is dropped besides. A topic near one is not always caught
+# by name: rich has a pretty-printing submodule (pprint's topic); the 2026-12-07 file was read through, and none of
+# its questions was taken.
 PACKAGES = (
     "requests", "click", "jinja2", "yaml", "rich", "pygments", "markdown", "dateutil", "pytz", "attr", "packaging",
     "networkx", "sqlalchemy", "httpx", "fastapi", "starlette", "pydantic", "anyio", "tqdm", "toml", "cachetools",
@@ -59,13 +64,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--base", type=int, default=300, help="shared conversations from the train file")
     ap.add_argument("--extra", type=int, default=300, help="conversations each file adds to the base")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the package questions' templates and their order")
     args = ap.parse_args()
     manifest = json.loads((BUNDLED_DATA / "manifest.json").read_text())
     avoid = manifest["eval_top_level_modules"]
 
     rows = read_messages(BUNDLED_DATA / "train.openai.jsonl")
-    random.Random(args.seed).shuffle(rows)  # prepare's shuffle (shuffle_seed), so the base is the demo's first rows
+    shuffle_seed = load_config("smollm2").data.shuffle_seed
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(rows)  # prepare's shuffle of the rows: the demo's order
     if len(rows) < args.base + args.extra:
         raise SystemExit(f"the train file holds {len(rows)} conversations, fewer than --base + --extra")
     base, more = rows[: args.base], rows[args.base : args.base + args.extra]

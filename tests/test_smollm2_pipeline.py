@@ -29,7 +29,7 @@ def test_smollm2_pipeline_regenerates_trains_and_beats_the_untrained_floor(prefe
         "validate.min_mean_acceptance_length": MIN_MEAN_ACCEPTANCE_LENGTH,
         "train.cpu_dtype": "float32",  # the floor was measured in float32; the preset's auto differs by CPU
         "train.batch_size": 8,  # ... and at batch 8 (4 optimizer steps); the preset's batch 2 makes 4x the steps
-        "train.optimizer": "adamw",  # ... and with AdamW (the preset's Muon runs its Newton-Schulz steps in bf16)
+        "train.optimizer": "adamw",  # ... and with AdamW (Muon's Newton-Schulz dtype differs by CPU too)
     }
     state = eagle3_pipeline(load_config("smollm2"), overrides=overrides, return_state=True)
     assert state.is_completed(), state

@@ -70,7 +70,7 @@ def test_optimizer_states_equal_the_plan(verifiers, arch):
     draft = Eagle3Draft(cfg)
     for name in ("adamw", "muon"):
         train = TrainConfig(optimizer=name, **TINY)
-        opts = build_optimizers(draft, train)
+        opts = build_optimizers(draft, train, "cpu")
         for p in draft.parameters():
             p.grad = torch.ones_like(p) if p.requires_grad else None
         for opt in opts:

@@ -7,10 +7,11 @@ speculators' "muon" optimizer splits the same way). Muon's learning rate follows
 ``muon_lr_scale``, with torch's ``match_rms_adamw`` adjustment (an update of RMS 0.2 x lr, as AdamW's typical one),
 so ``lr`` means the same on both sides. Each param group carries its ``lr_scale``; ``set_lr`` applies the schedule.
 
-Muon's Newton-Schulz steps are five chained matmuls per matrix per optimizer step. torch.optim.Muon runs them in
-bf16, fast on a GPU and on a CPU with native bf16 matmul, ~20x slower than float32 on one without (an AVX2-only
-CPU); there ``muon_ns_dtype`` "auto" takes Float32Muon: the same algorithm, state and hyperparameters, with the
-Newton-Schulz steps in float32 (``muon_ns_dtype`` resolves through the one dtype rule, resolve_compute_dtype).
+Muon's Newton-Schulz steps are five iterations of three matmuls per matrix per optimizer step. torch.optim.Muon
+runs them in bf16: fast on a GPU and on a CPU with native bf16 matmul, ~20x slower than float32 on one without (an
+AVX2-only CPU, say); there ``muon_ns_dtype`` "auto" takes Float32Muon: the same algorithm, state and
+hyperparameters, with the Newton-Schulz steps in float32 (``muon_ns_dtype`` resolves through the one dtype rule,
+resolve_compute_dtype).
 """
 
 from __future__ import annotations
@@ -81,12 +82,13 @@ class Float32Muon(torch.optim.Muon):
             grads: list[torch.Tensor] = []
             bufs: list[torch.Tensor] = []
             self._init_group(group, params, grads, bufs)  # torch's checks and momentum_buffer creation
+            lr = float(group["lr"])  # torch's Muon takes a 1-element tensor too
             for param, grad, buf in zip(params, grads, bufs):
                 buf.lerp_(grad, 1 - group["momentum"])
                 update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
                 ortho = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"], torch.float32)
-                param.mul_(1 - group["lr"] * group["weight_decay"])
-                param.add_(ortho.to(param.dtype), alpha=-muon_lr(group["lr"], param.shape, group["adjust_lr_fn"]))
+                param.mul_(1 - lr * group["weight_decay"])
+                param.add_(ortho.to(param.dtype), alpha=-muon_lr(lr, param.shape, group["adjust_lr_fn"]))
         return loss
 
 
@@ -96,8 +98,7 @@ def muon_ns_dtype(cfg: TrainConfig, device: torch.device | str) -> str:
     return resolve_compute_dtype(cfg.muon_ns_dtype, "bfloat16", device)
 
 
-def build_optimizers(model: nn.Module, cfg: TrainConfig,
-                     device: torch.device | str = "cpu") -> list[torch.optim.Optimizer]:
+def build_optimizers(model: nn.Module, cfg: TrainConfig, device: torch.device | str) -> list[torch.optim.Optimizer]:
     """The optimizers of ``model``'s trainable parameters under ``cfg.optimizer`` (stepped together); ``device``
     decides Muon's Newton-Schulz dtype under ``muon_ns_dtype`` "auto"."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

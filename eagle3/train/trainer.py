@@ -28,7 +28,7 @@ from eagle3.draft import checkpoint as ckpt
 from eagle3.draft.config import DraftConfig
 from eagle3.draft.model import Eagle3Draft
 from eagle3.store import STORE_JSON, HiddenStateStore, StoreError
-from eagle3.support.dtypes import cpu_has_native_bf16, resolve_compute_dtype, resolve_device
+from eagle3.support.dtypes import resolve_compute_dtype, resolve_device
 from eagle3.support.io import atomic_write_text, sha256_file
 from eagle3.support.progress import Progress, fmt_duration
 from eagle3.support.settings import output_view
@@ -140,7 +140,7 @@ class Trainer:
         if cfg.optimizer == "muon" and self.dist.main:
             ns = muon_ns_dtype(cfg, self.device)
             log.info("[train] Muon's Newton-Schulz steps in %s (muon_ns_dtype %s)", ns, cfg.muon_ns_dtype)
-            if ns == "bfloat16" and self.device.type == "cpu" and not cpu_has_native_bf16():
+            if ns == "bfloat16" != resolve_compute_dtype("auto", "bfloat16", self.device):  # the rule: float32
                 log.warning("[train] muon_ns_dtype bfloat16 on a CPU without native bf16: bf16 matmuls run ~20x "
                             "slower than float32 here; muon_ns_dtype auto or float32 runs them in float32")
         self.epoch, self.step_in_epoch, self.global_step, self.tokens_seen = 0, 0, 0, 0
