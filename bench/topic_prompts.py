@@ -94,7 +94,7 @@ def main() -> None:
     counts = {p: sum(c.module.split(".")[0] == p for c in picked) for p in by_package}
     info = {"base": args.base, "extra": args.extra, "seed": args.seed, "avoid": avoid,
             "package_conversations_available": len(convs), "picked_per_package": counts,
-            "versions": {p: _version(p) for p in by_package}}
+            "versions": _versions(list(by_package))}
     (args.out / "manifest.json").write_text(json.dumps(info, indent=1) + "\n")
     print(f"{args.out}: stdlib.openai.jsonl and packages.openai.jsonl, {args.base} shared + {args.extra} each; "
           f"{len(convs):,} package conversations from {len(by_package)} packages available, {len(picked)} taken")
@@ -104,13 +104,19 @@ def _train(messages: list[dict[str, str]]) -> Conversation:
     return Conversation(id="", module="", split="train", messages=messages)
 
 
-def _version(import_name: str) -> str | None:
-    for dist in metadata.packages_distributions().get(import_name, []):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
+def _versions(import_names: list[str]) -> dict[str, str | None]:
+    """The installed version of each import name's distribution (one scan of the installed distributions)."""
+    dists = metadata.packages_distributions()
+    out: dict[str, str | None] = {}
+    for name in import_names:
+        out[name] = None
+        for dist in dists.get(name, []):
+            try:
+                out[name] = metadata.version(dist)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    return out
 
 
 if __name__ == "__main__":
