@@ -9,7 +9,7 @@ import torch
 from helpers import reference_draft_tail, vocab_tables
 
 from eagle3.draft.config import DraftArchitecture, DraftConfig, DraftConfigError
-from eagle3.draft.model import Eagle3Draft
+from eagle3.draft.model import HALF_INPUT, LAYER_INIT, Eagle3Draft
 from eagle3.support.verifier import VerifierSpec, load_verifier_head
 
 _mapping = vocab_tables
@@ -219,3 +219,59 @@ def test_cpu_attention_equals_sdpa_over_the_concatenated_steps(heads, kv_heads, 
     for s in range(steps):
         out = cache.attend(q, keys[s], values[s], mask, 0.3)
     torch.testing.assert_close(out, want)
+
+
+@torch.no_grad()
+def test_init_from_layer_starts_as_that_verifier_layer(tiny_llama_verifier):
+    """``init_from_layer`` k: with the embedding half of q/k/v at zero, the draft's layer computes exactly the
+    verifier's decoder layer k (transformers' own LlamaDecoderLayer) on the hidden state; the embedding half and
+    the rest of the draft keep the seeded init."""
+    from transformers import AutoModelForCausalLM
+
+    spec = VerifierSpec.from_path(tiny_llama_verifier)
+    cfg = DraftConfig.build(spec, 300, [1, 2, 3], DraftArchitecture(), torch_dtype="float32")
+    d2t, t2d = _mapping(spec.vocab_size, 300)
+    plain = Eagle3Draft.from_verifier(cfg, tiny_llama_verifier, d2t, t2d, seed=0)
+    layer = spec.num_hidden_layers - 1
+    draft = Eagle3Draft.from_verifier(cfg, tiny_llama_verifier, d2t, t2d, seed=0, init_layer=layer)
+    h = cfg.hidden_size
+    for name, p in draft.named_parameters():
+        if name in HALF_INPUT:
+            assert torch.equal(p[:, :h], dict(plain.named_parameters())[name][:, :h]), name
+        elif name not in LAYER_INIT:
+            assert torch.equal(p, dict(plain.named_parameters())[name]), name  # fc, input_layernorm, head
+    last = Eagle3Draft.from_verifier(cfg, tiny_llama_verifier, d2t, t2d, seed=0, init_layer=-1)  # from the last
+    assert all(torch.equal(p, q) for p, q in zip(draft.parameters(), last.parameters()))
+    for name in HALF_INPUT:
+        dict(draft.named_parameters())[name][:, :h] = 0
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_verifier, dtype=torch.float32).eval()
+    ids, pos = torch.randint(0, spec.vocab_size, (2, 9)), torch.arange(9).expand(2, 9)
+    hidden = model(ids, output_hidden_states=True).hidden_states[layer]  # residual entering layer k: [2, 9, H]
+    want = model.model.layers[layer](hidden, position_embeddings=model.model.rotary_emb(hidden, pos),
+                                     attention_mask=None, position_ids=pos)
+    want = want[0] if isinstance(want, tuple) else want
+    mask = torch.ones(9, 9, dtype=torch.bool).tril().expand(2, 1, 9, 9)
+    got = draft.midlayer(draft.embed_tokens(ids), hidden, pos, mask, None)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(plain.midlayer(plain.embed_tokens(ids), hidden, pos, mask, None), want, atol=1e-2)
+
+
+def test_init_from_layer_refuses_what_it_cannot_copy(tiny_llama_verifier, kimi_shaped):
+    """One error naming the field: a layer the verifier lacks, draft widths other than the verifier's, the MLA
+    kind."""
+    spec = VerifierSpec.from_path(tiny_llama_verifier)
+    d2t, t2d = _mapping(spec.vocab_size, 300)
+    cfg = DraftConfig.build(spec, 300, [1, 2, 3], DraftArchitecture(), torch_dtype="float32")
+    with pytest.raises(DraftConfigError, match=rf"init_from_layer: {spec.num_hidden_layers} is not a decoder layer"):
+        Eagle3Draft.from_verifier(cfg, tiny_llama_verifier, d2t, t2d, init_layer=spec.num_hidden_layers)
+    with pytest.raises(DraftConfigError, match=r"init_from_layer: -\d+ is not a decoder layer"):
+        Eagle3Draft.from_verifier(cfg, tiny_llama_verifier, d2t, t2d, init_layer=-spec.num_hidden_layers - 1)
+    narrow = DraftConfig.build(spec, 300, [1, 2, 3], DraftArchitecture(intermediate_size=16), torch_dtype="float32")
+    with pytest.raises(DraftConfigError, match=r"init_from_layer: .*mlp.gate_proj.weight .*widths"):
+        Eagle3Draft.from_verifier(narrow, tiny_llama_verifier, d2t, t2d, init_layer=0)
+    kspec = VerifierSpec.from_path(kimi_shaped)
+    kd2t, kt2d = _mapping(kspec.vocab_size, 64)
+    mla = DraftConfig.build(kspec, 64, [1], DraftArchitecture(kind="mla"), torch_dtype="float32")
+    with pytest.raises(DraftConfigError, match=r"init_from_layer: .*llama draft kind, not 'mla'"):
+        Eagle3Draft.from_verifier(mla, kimi_shaped, kd2t, kt2d, init_layer=0)

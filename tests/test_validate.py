@@ -625,3 +625,23 @@ def test_missing_verifier_is_reported_as_not_found(good, tmp_path):
     m = validate_draft(ValidateConfig(run_vllm=False, compare_untrained=False, offline_reference=False), good,
                        tmp_path / "v", verifier=missing)
     assert m.verdict == "fail" and any(f"verifier not found: {missing} does not exist" in r for r in m.reasons)
+
+
+def test_untrained_draft_starts_where_the_trained_run_started(tiny_llama_verifier, tmp_path):
+    """compare_untrained's draft is the trainer's step 0: a run with ``init_from_layer`` gets that verifier layer."""
+    from helpers import tiny_draft
+
+    from eagle3.support.verifier import read_layer
+    from eagle3.validate.stage import make_untrained_draft
+
+    trained = tiny_draft(tiny_llama_verifier, dtype="float32")
+    plain = save_draft(tmp_path / "plain", trained.config, trained.state_dict(), {"run_config": {"seed": 0}})
+    layered = save_draft(tmp_path / "layered", trained.config, trained.state_dict(),
+                         {"run_config": {"seed": 0, "init_from_layer": -1}})
+    last = VerifierSpec.from_path(tiny_llama_verifier).num_hidden_layers - 1
+    up = read_layer(tiny_llama_verifier, last, ("mlp.up_proj.weight",))["mlp.up_proj.weight"]
+    got = {name: load_file(str(make_untrained_draft(folder, tiny_llama_verifier, tmp_path / f"u-{name}")
+                               / "model.safetensors"))["midlayer.mlp.up_proj.weight"].float()
+           for name, folder in (("plain", plain), ("layered", layered))}
+    assert torch.equal(got["layered"], up)
+    assert not torch.allclose(got["plain"], up, atol=1e-3)

@@ -259,6 +259,22 @@ class Eagle3DecoderLayer(nn.Module):
 # ----------------------------------------------------------------------------- the draft
 
 
+# init_from_layer: the llama draft's layer weights a verifier decoder layer supplies, draft parameter -> verifier
+# tensor (the tail after ``layers.<k>.``). q/k/v read [e, h_n]: the verifier's matrix becomes their h_n half.
+LAYER_INIT = {
+    "midlayer.hidden_norm.weight": "input_layernorm.weight",
+    "midlayer.post_attention_layernorm.weight": "post_attention_layernorm.weight",
+    "midlayer.self_attn.q_proj.weight": "self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight": "self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight": "self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight": "self_attn.o_proj.weight",
+    "midlayer.mlp.gate_proj.weight": "mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight": "mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight": "mlp.down_proj.weight",
+}
+HALF_INPUT = ("midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight")
+
+
 class Eagle3Draft(nn.Module):
     """Parameters named exactly as the checkpoint contract (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, optional
     ``input_norm`` / ``fc_norm.<i>``, buffers ``d2t`` / ``t2d``, frozen ``embed_tokens``)."""
@@ -284,9 +300,10 @@ class Eagle3Draft(nn.Module):
 
     @classmethod
     def from_verifier(cls, cfg: DraftConfig, verifier_path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor,
-                      seed: int = 0) -> Eagle3Draft:
+                      seed: int = 0, init_layer: int | None = None) -> Eagle3Draft:
         """New draft: seeded init, frozen embedding = the verifier's, ``lm_head`` = the verifier's lm_head rows of
-        the draft vocab, ``norm`` = the verifier's final norm (so lm_head(norm(h)) starts as the verifier's head)."""
+        the draft vocab, ``norm`` = the verifier's final norm (so lm_head(norm(h)) starts as the verifier's head).
+        ``init_layer`` k: the layer starts as the verifier's decoder layer k instead (``init_from_layer``)."""
         if len(d2t) != cfg.draft_vocab_size or len(t2d) != cfg.vocab_size:
             raise DraftConfigError(f"vocab mapping sizes d2t {len(d2t)} / t2d {len(t2d)} do not match draft_vocab_size "
                                    f"{cfg.draft_vocab_size} / vocab_size {cfg.vocab_size}")
@@ -300,7 +317,37 @@ class Eagle3Draft(nn.Module):
             draft.norm.weight.copy_(head.norm_weight)
             draft.d2t.copy_(d2t)
             draft.t2d.copy_(t2d)
+        if init_layer is not None:
+            draft.init_from_layer(verifier_path, init_layer)
         return draft
+
+    def init_from_layer(self, verifier_path: str | Path, layer: int) -> None:
+        """Start the draft's decoder layer as the verifier's decoder layer ``layer`` (vLLM's id k: the layer whose
+        input is the residual stream k; negative counts from the last, -1 = the last layer): its norms, o_proj and MLP as they are, and its q/k/v as the half of the
+        draft's q/k/v that reads the hidden state h_n; the half that reads the token embedding e keeps its seeded
+        init. Llama kind only; the draft's widths must be the verifier's (the defaults)."""
+        if self.config.kind != "llama":
+            raise DraftConfigError(f"train.init_from_layer: starting from a verifier layer is implemented for the "
+                                   f"llama draft kind, not {self.config.kind!r}")
+        from eagle3.support.verifier import VerifierSpec, read_layer
+
+        n_layers = VerifierSpec.from_path(verifier_path).num_hidden_layers
+        if not -n_layers <= layer < n_layers:
+            raise DraftConfigError(f"train.init_from_layer: {layer} is not a decoder layer of the verifier "
+                                   f"{verifier_path} (layers 0 .. {n_layers - 1}, or -1 .. -{n_layers} from the last)")
+        layer %= n_layers
+        tensors = read_layer(verifier_path, layer, tuple(LAYER_INIT.values()))
+        params = dict(self.named_parameters())
+        hidden = self.config.hidden_size
+        with torch.no_grad():
+            for name, tail in LAYER_INIT.items():
+                target = params[name][:, hidden:] if name in HALF_INPUT else params[name]
+                source = tensors[tail]
+                if tuple(source.shape) != tuple(target.shape):
+                    raise DraftConfigError(
+                        f"train.init_from_layer: verifier layer {layer}'s {tail} is {tuple(source.shape)}, the "
+                        f"draft's {name} takes {tuple(target.shape)}: leave train.draft's widths at the verifier's")
+                target.copy_(source.to(target.dtype))
 
     # --- serving computation ------------------------------------------------------------------------------------
 

@@ -262,6 +262,26 @@ def read_tensor(path: str | Path, name: str, rows: torch.Tensor | None = None,
         return torch.cat(parts, dim=0)
 
 
+def read_layer(path: str | Path, layer: int, tails: tuple[str, ...],
+               wmap: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """Tensors of decoder layer ``layer`` (vLLM's id k = the residual stream entering layer k, so layer k's own
+    weights) named ``<prefix>layers.<layer>.<tail>`` for each tail (e.g. "mlp.up_proj.weight"), in float32. The
+    language model's own layers are preferred where a checkpoint nests several (a vision tower's ``layers.<k>``)."""
+    path = Path(path)
+    wmap = wmap if wmap is not None else weight_map(path)
+    out = {}
+    for tail in tails:
+        suffix = f"layers.{layer}.{tail}"
+        hits = [n for n in wmap if n == suffix or n.endswith("." + suffix)]
+        if len(hits) > 1:
+            hits = [n for n in hits if n.endswith("model." + suffix)] or hits
+        if len(hits) != 1:
+            found = "not found" if not hits else f"ambiguous: {sorted(hits)}"
+            raise VerifierError(f"verifier weight {suffix} in {path}: {found}")
+        out[tail] = read_tensor(path, hits[0], wmap=wmap).float()
+    return out
+
+
 @dataclass
 class VerifierHead:
     """The frozen verifier pieces the draft trains against; tensors in float32 on CPU."""

@@ -114,7 +114,8 @@ class Trainer:
         self.draft_cfg = DraftConfig.build(spec, len(d2t), self.store.aux_layer_ids, cfg.draft,
                                            torch_dtype=cfg.checkpoint_dtype)
         self._check_memory()
-        self.draft = Eagle3Draft.from_verifier(self.draft_cfg, self.verifier_path, d2t, t2d, seed=cfg.seed)
+        self.draft = Eagle3Draft.from_verifier(self.draft_cfg, self.verifier_path, d2t, t2d, seed=cfg.seed,
+                                                 init_layer=cfg.init_from_layer)
         head = load_verifier_head(self.verifier_path, torch.arange(len(d2t)) + d2t, with_embedding=False)
 
         samples = sorted(self.store.indices())[:cfg.max_samples]  # None: all
