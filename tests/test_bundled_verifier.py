@@ -27,6 +27,7 @@ from tools.tiny_verifier import (
     longest_run,
     quality_prompts,
     read_messages,
+    reasked_conversations,
     top_level,
 )
 
@@ -203,6 +204,25 @@ def test_package_prompts_ask_about_a_package_and_never_name_an_avoided_topic(tmp
     assert "weatherkit.radar" in questions and "json" not in questions.lower()
     assert {c.module for c in build_package_conversations(["weatherkit"], avoid=["JSON"])} == asked  # any case
     assert {c.module for c in build_package_conversations(["weatherkit"])} == asked | {"weatherkit.jsonfeed"}
+
+
+def test_reasked_prompts_ask_about_the_same_objects_in_other_words():
+    """reasked_conversations (bench/topic_prompts.py's re-asked prompts): the same objects in the same order and
+    the same number of turns, each question in another wording; a chat whose answer is no stdlib docstring is left
+    out; the same seed gives the same prompts."""
+    rows = [c.messages for c in build_stdlib_conversations(SUBSET) if c.split == "train"]
+    odd = [{"role": "user", "content": "What is colorsys?"}, {"role": "assistant", "content": "Not a docstring."}]
+    again = reasked_conversations([*rows, odd], seed=1, modules=SUBSET)
+    assert len(again) == len(rows) > 5
+    for old, new in zip(rows, again):
+        answers = [m["content"] for m in old if m["role"] == "assistant"]
+        assert [m["content"] for m in new.messages if m["role"] == "assistant"] == answers
+        asks = [m["content"] for m in old if m["role"] == "user"]
+        new_asks = [m["content"] for m in new.messages if m["role"] == "user"]
+        assert len(new_asks) == len(asks) and new_asks[0] != asks[0]
+        assert new.split == "train" and new.module == new.id.split("/")[0]
+    assert [c.messages for c in reasked_conversations(rows, seed=1, modules=SUBSET)] == [c.messages for c in again]
+    assert [c.messages for c in reasked_conversations(rows, seed=2, modules=SUBSET)] != [c.messages for c in again]
 
 
 def test_builder_is_deterministic_across_processes_and_hash_seeds():

@@ -431,6 +431,42 @@ def build_package_conversations(packages: Sequence[str], avoid: Iterable[str] = 
     return conversations
 
 
+def reasked_conversations(rows: Sequence[list[dict[str, str]]], seed: int = 1,
+                          modules: Iterable[str] | None = None) -> list[Conversation]:
+    """The same conversations asked in other words: for each chat of ``rows`` (OpenAI messages of the stdlib chats,
+    as bundled), a chat about the same objects in the same order, each user turn drawn again from the question
+    templates (never the original wording where the pool has another), the system prompt drawn again. Objects are
+    found by their docstring (the bundled answer); a chat with an answer that is not a docstring of this Python's
+    standard library (of ``modules``, default all of it) is left out. For a verifier that writes its own answers:
+    new prompts on covered objects only.
+    """
+    by_doc: dict[str, DocEntry] = {}
+    for module in sorted(set(modules)) if modules is not None else stdlib_module_names():
+        for entry in module_doc_entries(module):
+            by_doc.setdefault(entry.doc, entry)
+    rng = random.Random(f"reask:{seed}")
+    out: list[Conversation] = []
+    for messages in rows:
+        asks = [m["content"] for m in messages if m["role"] == "user"]
+        entries = [by_doc.get(m["content"]) for m in messages if m["role"] == "assistant"]
+        if not entries or any(e is None for e in entries):
+            continue
+        new: list[dict[str, str]] = []
+        if rng.random() < SYSTEM_PROMPT_SHARE:
+            new.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
+        for turn, (entry, old) in enumerate(zip(entries, asks)):
+            ask = old
+            for _ in range(20):  # another template where the pool has one
+                ask = _question(entry, rng) if turn == 0 else _follow_up(entry, rng)
+                if ask != old:
+                    break
+            new.append({"role": "user", "content": ask})
+            new.append({"role": "assistant", "content": entry.doc})
+        out.append(Conversation(id=f"{entries[0].module}/{entries[0].name or '__doc__'}", module=entries[0].module,
+                                split="train", messages=new))
+    return out
+
+
 def split_conversations(conversations: Sequence[Conversation]) -> dict[str, list[Conversation]]:
     return {
         "train": [c for c in conversations if c.split == "train"],
