@@ -323,9 +323,11 @@ class Eagle3Draft(nn.Module):
 
     def init_from_layer(self, verifier_path: str | Path, layer: int) -> None:
         """Start the draft's decoder layer as the verifier's decoder layer ``layer`` (vLLM's id k: the layer whose
-        input is the residual stream k; negative counts from the last, -1 = the last layer): its norms, o_proj and MLP as they are, and its q/k/v as the half of the
-        draft's q/k/v that reads the hidden state h_n; the half that reads the token embedding e keeps its seeded
-        init. Llama kind only; the draft's widths must be the verifier's (the defaults)."""
+        input is the residual stream k; negative counts from the last, -1 = the last layer): its norms, o_proj and
+        MLP as they are, and its q/k/v as the half of the draft's q/k/v that reads the hidden state h_n; the half
+        that reads the token embedding e keeps its seeded init. With that half at zero the layer computes exactly
+        the verifier's layer on h (tests/test_model.py). Llama kind only; the draft's widths must be the verifier's
+        (the defaults)."""
         if self.config.kind != "llama":
             raise DraftConfigError(f"train.init_from_layer: starting from a verifier layer is implemented for the "
                                    f"llama draft kind, not {self.config.kind!r}")
