@@ -257,21 +257,41 @@ def test_init_from_layer_starts_as_that_verifier_layer(tiny_llama_verifier):
     assert not torch.allclose(plain.midlayer(plain.embed_tokens(ids), hidden, pos, mask, None), want, atol=1e-2)
 
 
-def test_init_from_layer_refuses_what_it_cannot_copy(tiny_llama_verifier, kimi_shaped):
-    """One error naming the field: a layer the verifier lacks, draft widths other than the verifier's, the MLA
-    kind."""
-    spec = VerifierSpec.from_path(tiny_llama_verifier)
-    d2t, t2d = _mapping(spec.vocab_size, 300)
-    cfg = DraftConfig.build(spec, 300, [1, 2, 3], DraftArchitecture(), torch_dtype="float32")
+def test_init_from_layer_refuses_what_it_cannot_copy(tiny_llama_verifier, kimi_shaped, tmp_path):
+    """One error naming the field, before any weight is copied: a layer the verifier lacks, draft widths other than
+    the verifier's, the MLA kind, a verifier layer that is not a plain silu Llama layer (biases, MLA attention)."""
+    from helpers import save_tiny_llama
+
+    from eagle3.train.config import TrainConfig
+
+    def build(verifier, arch=None, kind="llama"):
+        spec = VerifierSpec.from_path(verifier)
+        d2t, t2d = _mapping(spec.vocab_size, 64)
+        cfg = DraftConfig.build(spec, 64, [1], arch or DraftArchitecture(kind=kind), torch_dtype="float32")
+        return cfg, d2t, t2d, spec
+
+    cfg, d2t, t2d, spec = build(tiny_llama_verifier)
     with pytest.raises(DraftConfigError, match=rf"init_from_layer: {spec.num_hidden_layers} is not a decoder layer"):
         Eagle3Draft.from_verifier(cfg, tiny_llama_verifier, d2t, t2d, init_layer=spec.num_hidden_layers)
     with pytest.raises(DraftConfigError, match=r"init_from_layer: -\d+ is not a decoder layer"):
         Eagle3Draft.from_verifier(cfg, tiny_llama_verifier, d2t, t2d, init_layer=-spec.num_hidden_layers - 1)
-    narrow = DraftConfig.build(spec, 300, [1, 2, 3], DraftArchitecture(intermediate_size=16), torch_dtype="float32")
-    with pytest.raises(DraftConfigError, match=r"init_from_layer: .*mlp.gate_proj.weight .*widths"):
-        Eagle3Draft.from_verifier(narrow, tiny_llama_verifier, d2t, t2d, init_layer=0)
-    kspec = VerifierSpec.from_path(kimi_shaped)
-    kd2t, kt2d = _mapping(kspec.vocab_size, 64)
-    mla = DraftConfig.build(kspec, 64, [1], DraftArchitecture(kind="mla"), torch_dtype="float32")
+    narrow = build(tiny_llama_verifier, DraftArchitecture(intermediate_size=16))
+    with pytest.raises(DraftConfigError, match=r"init_from_layer: the draft's intermediate_size 16 \(verifier \d+\)"):
+        Eagle3Draft.from_verifier(narrow[0], tiny_llama_verifier, narrow[1], narrow[2], init_layer=0)
+    mla = build(kimi_shaped, kind="mla")
     with pytest.raises(DraftConfigError, match=r"init_from_layer: .*llama draft kind, not 'mla'"):
-        Eagle3Draft.from_verifier(mla, kimi_shaped, kd2t, kt2d, init_layer=0)
+        Eagle3Draft.from_verifier(mla[0], kimi_shaped, mla[1], mla[2], init_layer=0)
+    with pytest.raises(ValueError, match=r"init_from_layer 0 with draft.kind 'mla'"):
+        TrainConfig(init_from_layer=0, draft=DraftArchitecture(kind="mla"))
+    llama_on_mla = build(kimi_shaped)  # a llama draft beside Kimi's attention: nothing of its layer fits
+    with pytest.raises(DraftConfigError, match=r"init_from_layer: the verifier's layer 1 is not a plain Llama layer "
+                                               r"the draft can start from \(it also has .*; it lacks .*self_attn.k_proj.weight"):
+        Eagle3Draft.from_verifier(llama_on_mla[0], kimi_shaped, llama_on_mla[1], llama_on_mla[2], init_layer=1)
+    biased = save_tiny_llama(tmp_path / "biased", attention_bias=True)
+    b = build(biased)
+    with pytest.raises(DraftConfigError, match=r"not a plain Llama layer .*it also has self_attn.k_proj.bias"):
+        Eagle3Draft.from_verifier(b[0], biased, b[1], b[2], init_layer=-1)
+    gelu = save_tiny_llama(tmp_path / "gelu", hidden_act="gelu")
+    g = build(gelu)
+    with pytest.raises(DraftConfigError, match=r"init_from_layer: the verifier's MLP uses 'gelu'"):
+        Eagle3Draft.from_verifier(g[0], gelu, g[1], g[2], init_layer=-1)

@@ -577,3 +577,21 @@ def test_kill_9_mid_epoch_then_resume_writes_the_uninterrupted_metrics(random_st
     a = load_file(str(tmp_path / "full/checkpoints/epoch-002/model.safetensors"))
     b = load_file(str(tmp_path / "resumed/checkpoints/epoch-002/model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_trainer_starts_the_draft_layer_from_the_verifier_layer_it_is_told(random_store, tiny_llama_verifier, tmp_path):
+    """train.init_from_layer reaches the draft the trainer builds (step 0, before any optimizer step)."""
+    from eagle3.support.verifier import VerifierSpec, read_layer
+    from eagle3.train.trainer import Trainer
+
+    store_dir, vocab = random_store
+    last = VerifierSpec.from_path(tiny_llama_verifier).num_hidden_layers - 1
+    want = read_layer(tiny_llama_verifier, last, ("mlp.up_proj.weight",))["mlp.up_proj.weight"]
+    drafts = {}
+    for name, layer in (("random", None), ("last", -1)):
+        trainer = Trainer(TrainConfig(epochs=1, init_from_layer=layer, **TINY), store_dir, vocab, tiny_llama_verifier,
+                          tmp_path / name)
+        trainer.setup()
+        drafts[name] = trainer.draft.midlayer.mlp.up_proj.weight.detach().float()
+    assert torch.equal(drafts["last"], want)
+    assert not torch.allclose(drafts["random"], want, atol=1e-3)

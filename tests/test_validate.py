@@ -645,3 +645,11 @@ def test_untrained_draft_starts_where_the_trained_run_started(tiny_llama_verifie
            for name, folder in (("plain", plain), ("layered", layered))}
     assert torch.equal(got["layered"], up)
     assert not torch.allclose(got["plain"], up, atol=1e-3)
+    # the run's seed: a seed-1 run is compared with the seed-1 init, not seed 0's
+    seeded = save_draft(tmp_path / "seeded", trained.config, trained.state_dict(), {"run_config": {"seed": 1}})
+    fc = load_file(str(make_untrained_draft(seeded, tiny_llama_verifier, tmp_path / "u-seeded") / "model.safetensors"))
+    want = Eagle3Draft.from_verifier(trained.config, tiny_llama_verifier, trained.d2t, trained.t2d, seed=1)
+    torch.testing.assert_close(fc["fc.weight"].float(), want.fc.weight.float())
+    (seeded / "eagle3_run.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"eagle3_run.json: unreadable"):
+        make_untrained_draft(seeded, tiny_llama_verifier, tmp_path / "u-broken")

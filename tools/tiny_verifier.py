@@ -437,8 +437,9 @@ def reasked_conversations(rows: Sequence[list[dict[str, str]]], seed: int = 1,
     as bundled), a chat about the same objects in the same order, each user turn drawn again from the question
     templates (never the original wording where the pool has another), the system prompt drawn again. Objects are
     found by their docstring (the bundled answer); a chat with an answer that is not a docstring of this Python's
-    standard library (of ``modules``, default all of it) is left out. For a verifier that writes its own answers:
-    new prompts on covered objects only.
+    standard library (of ``modules``, default all of it) is left out: docstrings change between Python versions,
+    so run it on the Python that built the bundled files (3.11) to find every object. For a verifier that writes
+    its own answers: new prompts on covered objects only.
     """
     by_doc: dict[str, DocEntry] = {}
     for module in sorted(set(modules)) if modules is not None else stdlib_module_names():

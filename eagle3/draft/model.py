@@ -57,7 +57,7 @@ from torch import nn
 
 from eagle3.draft.config import DraftConfig, DraftConfigError
 from eagle3.draft.rope import apply_gptj, apply_neox, mla_rope_tables, mla_softmax_scale, rope_tables
-from eagle3.support.verifier import load_verifier_head
+from eagle3.support.verifier import VerifierSpec, layer_tensor_names, load_verifier_head, read_layer, weight_map
 
 
 class RMSNorm(nn.Module):
@@ -325,31 +325,53 @@ class Eagle3Draft(nn.Module):
         """Start the draft's decoder layer as the verifier's decoder layer ``layer`` (vLLM's id k: the layer whose
         input is the residual stream k; negative counts from the last, -1 = the last layer): its norms, o_proj and
         MLP as they are, and its q/k/v as the half of the draft's q/k/v that reads the hidden state h_n; the half
-        that reads the token embedding e keeps its seeded init. With that half at zero the layer computes exactly
-        the verifier's layer on h (tests/test_model.py). Llama kind only; the draft's widths must be the verifier's
-        (the defaults)."""
-        if self.config.kind != "llama":
-            raise DraftConfigError(f"train.init_from_layer: starting from a verifier layer is implemented for the "
-                                   f"llama draft kind, not {self.config.kind!r}")
-        from eagle3.support.verifier import VerifierSpec, read_layer
+        that reads the token embedding e keeps its seeded init. With that half at zero (and norm_before_residual
+        off) the layer computes exactly the verifier's layer on h (tests/test_model.py).
 
-        n_layers = VerifierSpec.from_path(verifier_path).num_hidden_layers
+        Refused, naming the field: the mla draft kind; a layer the verifier lacks; a verifier layer that is not a
+        plain Llama layer (any tensor besides LAYER_INIT's: MLA attention, MoE experts, biases, q/k norms, Gemma's
+        extra norms, FP8 scales) or whose MLP is not silu; draft widths or rope other than the verifier's."""
+        where = "train.init_from_layer"
+        if self.config.kind != "llama":
+            raise DraftConfigError(f"{where}: starting from a verifier layer is implemented for the llama draft "
+                                   f"kind, not {self.config.kind!r}")
+        spec = VerifierSpec.from_path(verifier_path)
+        n_layers = spec.num_hidden_layers
         if not -n_layers <= layer < n_layers:
-            raise DraftConfigError(f"train.init_from_layer: {layer} is not a decoder layer of the verifier "
-                                   f"{verifier_path} (layers 0 .. {n_layers - 1}, or -1 .. -{n_layers} from the last)")
+            raise DraftConfigError(f"{where}: {layer} is not a decoder layer of the verifier {verifier_path} "
+                                   f"(layers 0 .. {n_layers - 1}, or -1 .. -{n_layers} from the last)")
         layer %= n_layers
-        tensors = read_layer(verifier_path, layer, tuple(LAYER_INIT.values()))
+        act = spec.text_config.get("hidden_act") or spec.text_config.get("hidden_activation") or "silu"
+        if act != "silu":
+            raise DraftConfigError(f"{where}: the verifier's MLP uses {act!r}, the draft's silu: its layer {layer} "
+                                   f"would compute something else here")
+        default = DraftConfig.build(spec, self.config.draft_vocab_size, self.config.aux_layer_ids,
+                                    torch_dtype=self.config.torch_dtype)
+        differ = [f"{k} {getattr(self.config, k)} (verifier {getattr(default, k)})"
+                  for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta")
+                  if getattr(self.config, k) != getattr(default, k)]
+        if differ:
+            raise DraftConfigError(f"{where}: the draft's {', '.join(differ)} differ from the verifier's layer; leave "
+                                   f"train.draft's widths and rope_theta unset")
+        wmap = weight_map(verifier_path)
+        tails = set(layer_tensor_names(verifier_path, layer, wmap))
+        extra, missing = sorted(tails - set(LAYER_INIT.values())), sorted(set(LAYER_INIT.values()) - tails)
+        if extra or missing:
+            has = f"it also has {', '.join(extra[:6])}{' ...' if len(extra) > 6 else ''}" if extra else ""
+            lacks = f"it lacks {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}" if missing else ""
+            raise DraftConfigError(f"{where}: the verifier's layer {layer} is not a plain Llama layer the draft can "
+                                   f"start from ({'; '.join(x for x in (has, lacks) if x)})")
+        tensors = read_layer(verifier_path, layer, tuple(LAYER_INIT.values()), wmap)
         params = dict(self.named_parameters())
         hidden = self.config.hidden_size
         with torch.no_grad():
             for name, tail in LAYER_INIT.items():
                 target = params[name][:, hidden:] if name in HALF_INPUT else params[name]
-                source = tensors[tail]
-                if tuple(source.shape) != tuple(target.shape):
-                    raise DraftConfigError(
-                        f"train.init_from_layer: verifier layer {layer}'s {tail} is {tuple(source.shape)}, the "
-                        f"draft's {name} takes {tuple(target.shape)}: leave train.draft's widths at the verifier's")
-                target.copy_(source.to(target.dtype))
+                if tuple(tensors[tail].shape) != tuple(target.shape):
+                    raise DraftConfigError(f"{where}: the verifier's layer {layer} {tail} is "
+                                           f"{tuple(tensors[tail].shape)}, the draft's {name} takes "
+                                           f"{tuple(target.shape)}")
+                target.copy_(tensors[tail].to(target.dtype))
 
     # --- serving computation ------------------------------------------------------------------------------------
 

@@ -262,24 +262,38 @@ def read_tensor(path: str | Path, name: str, rows: torch.Tensor | None = None,
         return torch.cat(parts, dim=0)
 
 
+def layer_tensor_names(path: str | Path, layer: int, wmap: dict[str, str] | None = None) -> dict[str, str]:
+    """Every tensor of decoder layer ``layer`` (vLLM's id k = the residual stream entering layer k, so layer k's own
+    weights): tail after ``layers.<k>.`` (e.g. "mlp.up_proj.weight") -> full name. Where a checkpoint holds several
+    ``layers`` stacks (a vision tower's, an MTP module's) the language model's is taken: the stack whose parent
+    component is ``model`` (the rule ``find_tensor_names`` applies to the head)."""
+    path = Path(path)
+    names = wmap if wmap is not None else weight_map(path)
+    stacks: dict[str, dict[str, str]] = {}
+    for name in names:
+        parts = name.split(".")
+        for i in range(len(parts) - 2):
+            if parts[i] == "layers" and parts[i + 1] == str(layer):
+                stacks.setdefault(".".join(parts[:i]), {})[".".join(parts[i + 2:])] = name
+                break
+    if len(stacks) > 1:
+        preferred = {p: t for p, t in stacks.items() if p.split(".")[-1:] in (["model"], [""])}
+        stacks = preferred or stacks
+    if len(stacks) != 1:
+        found = "no such layer" if not stacks else f"several layer stacks: {sorted(stacks)}"
+        raise VerifierError(f"decoder layer {layer} in the weights of {path}: {found}")
+    return next(iter(stacks.values()))
+
+
 def read_layer(path: str | Path, layer: int, tails: tuple[str, ...],
                wmap: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
-    """Tensors of decoder layer ``layer`` (vLLM's id k = the residual stream entering layer k, so layer k's own
-    weights) named ``<prefix>layers.<layer>.<tail>`` for each tail (e.g. "mlp.up_proj.weight"), in float32. The
-    language model's own layers are preferred where a checkpoint nests several (a vision tower's ``layers.<k>``)."""
-    path = Path(path)
+    """The tensors ``tails`` of decoder layer ``layer`` (``layer_tensor_names``) in float32."""
     wmap = wmap if wmap is not None else weight_map(path)
-    out = {}
-    for tail in tails:
-        suffix = f"layers.{layer}.{tail}"
-        hits = [n for n in wmap if n == suffix or n.endswith("." + suffix)]
-        if len(hits) > 1:
-            hits = [n for n in hits if n.endswith("model." + suffix)] or hits
-        if len(hits) != 1:
-            found = "not found" if not hits else f"ambiguous: {sorted(hits)}"
-            raise VerifierError(f"verifier weight {suffix} in {path}: {found}")
-        out[tail] = read_tensor(path, hits[0], wmap=wmap).float()
-    return out
+    found = layer_tensor_names(path, layer, wmap)
+    missing = [t for t in tails if t not in found]
+    if missing:
+        raise VerifierError(f"decoder layer {layer} of {path} has no {', '.join(missing)}")
+    return {t: read_tensor(path, found[t], wmap=wmap).float() for t in tails}
 
 
 @dataclass

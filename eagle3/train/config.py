@@ -184,6 +184,13 @@ class TrainConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _init_layer_needs_llama(self) -> TrainConfig:
+        if self.init_from_layer is not None and self.draft.kind != "llama":
+            raise ValueError(f"init_from_layer {self.init_from_layer} with draft.kind {self.draft.kind!r}: starting "
+                             f"from a verifier layer is implemented for the llama draft kind only")
+        return self
+
+    @model_validator(mode="after")
     def _muon_not_sharded(self) -> TrainConfig:
         if self.optimizer == "muon" and self.parallel == "fsdp":
             raise ValueError("optimizer 'muon' with parallel 'fsdp': not verified (over FSDP's shards two gloo "

@@ -91,8 +91,9 @@ def run_vllm_check(cfg: ValidateConfig, verifier_path: str | os.PathLike, draft_
 def make_untrained_draft(draft_dir: str | os.PathLike, verifier_path: str | os.PathLike,
                          out: str | os.PathLike, seed: int = 0) -> Path:
     """The draft before training: ``draft_dir``'s config and d2t/t2d, ``Eagle3Draft.from_verifier`` init (the
-    trainer's step 0: verifier embedding, lm_head rows and final norm, seeded random layer, or the verifier layer
-    that the trained run's ``init_from_layer`` names), saved as a checkpoint."""
+    trainer's step 0: verifier embedding, lm_head rows and final norm, a random layer seeded by the trained run's
+    seed, or the verifier layer its ``init_from_layer`` names; ``seed`` where the run does not say), saved as a
+    checkpoint."""
     from safetensors.torch import load_file
 
     from eagle3.draft.checkpoint import RUN_INFO, read_config, save_draft
@@ -101,8 +102,13 @@ def make_untrained_draft(draft_dir: str | os.PathLike, verifier_path: str | os.P
     cfg = read_config(draft_dir)
     tables = load_file(str(Path(draft_dir) / WEIGHTS))
     run_info = Path(draft_dir) / RUN_INFO
-    run_config = json.loads(run_info.read_text()).get("run_config", {}) if run_info.is_file() else {}
+    try:
+        run_config = json.loads(run_info.read_text()).get("run_config", {}) if run_info.is_file() else {}
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"{run_info}: unreadable ({type(e).__name__}: {e}); the untrained draft starts where the "
+                         f"trained run started, which this file says") from None
     init_layer = run_config.get("init_from_layer")
+    seed = int(run_config.get("seed", seed))
     draft = Eagle3Draft.from_verifier(cfg, verifier_path, tables["d2t"], tables["t2d"], seed=seed,
                                       init_layer=init_layer)
     return save_draft(out, cfg, draft.state_dict(), {"verifier": str(verifier_path), "untrained": True,
