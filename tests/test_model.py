@@ -276,8 +276,11 @@ def test_init_from_layer_refuses_what_it_cannot_copy(tiny_llama_verifier, kimi_s
     with pytest.raises(DraftConfigError, match=r"init_from_layer: -\d+ is not a decoder layer"):
         Eagle3Draft.from_verifier(cfg, tiny_llama_verifier, d2t, t2d, init_layer=-spec.num_hidden_layers - 1)
     narrow = build(tiny_llama_verifier, DraftArchitecture(intermediate_size=16))
-    with pytest.raises(DraftConfigError, match=r"init_from_layer: the draft's intermediate_size 16 \(verifier \d+\)"):
+    with pytest.raises(DraftConfigError, match=r"init_from_layer: the draft's intermediate_size 16 \(verifier "):
         Eagle3Draft.from_verifier(narrow[0], tiny_llama_verifier, narrow[1], narrow[2], init_layer=0)
+    other_rope = build(tiny_llama_verifier, DraftArchitecture(rope_theta=1234.0))
+    with pytest.raises(DraftConfigError, match=r"init_from_layer: the draft's rope_theta 1234.0 \(verifier "):
+        Eagle3Draft.from_verifier(other_rope[0], tiny_llama_verifier, other_rope[1], other_rope[2], init_layer=0)
     mla = build(kimi_shaped, kind="mla")
     with pytest.raises(DraftConfigError, match=r"init_from_layer: .*llama draft kind, not 'mla'"):
         Eagle3Draft.from_verifier(mla[0], kimi_shaped, mla[1], mla[2], init_layer=0)
@@ -285,7 +288,8 @@ def test_init_from_layer_refuses_what_it_cannot_copy(tiny_llama_verifier, kimi_s
         TrainConfig(init_from_layer=0, draft=DraftArchitecture(kind="mla"))
     llama_on_mla = build(kimi_shaped)  # a llama draft beside Kimi's attention: nothing of its layer fits
     with pytest.raises(DraftConfigError, match=r"init_from_layer: the verifier's layer 1 is not a plain Llama layer "
-                                               r"the draft can start from \(it also has .*; it lacks .*self_attn.k_proj.weight"):
+                                               r"the draft can start from \(it also has .*; "
+                                               r"it lacks .*self_attn.k_proj.weight"):
         Eagle3Draft.from_verifier(llama_on_mla[0], kimi_shaped, llama_on_mla[1], llama_on_mla[2], init_layer=1)
     biased = save_tiny_llama(tmp_path / "biased", attention_bias=True)
     b = build(biased)
@@ -295,3 +299,26 @@ def test_init_from_layer_refuses_what_it_cannot_copy(tiny_llama_verifier, kimi_s
     g = build(gelu)
     with pytest.raises(DraftConfigError, match=r"init_from_layer: the verifier's MLP uses 'gelu'"):
         Eagle3Draft.from_verifier(g[0], gelu, g[1], g[2], init_layer=-1)
+
+
+def test_layer_tensor_names_takes_the_language_models_stack():
+    """Which ``layers.<k>`` stack is the verifier's decoder layer k: the one under ``model`` / ``language_model``
+    (Kimi-K2.5: language_model.model.layers.N beside mtp.layers.N and a vision tower's), bare ``layers.<k>`` too, the
+    first ``layers.<int>`` of a name (an expert's own layers are tail), never layer 12 for 1; two candidates raise."""
+    from eagle3.support.verifier import VerifierError, layer_tensor_names
+
+    kimi = {n: "w.safetensors" for n in (
+        "language_model.model.layers.1.mlp.experts.layers.1.w", "language_model.model.layers.1.self_attn.q.weight",
+        "language_model.model.layers.12.self_attn.q.weight", "mtp.layers.1.self_attn.q.weight",
+        "vision_tower.encoder.layers.1.attn.weight", "language_model.lm_head.weight")}
+    assert layer_tensor_names("v", 1, kimi) == {
+        "mlp.experts.layers.1.w": "language_model.model.layers.1.mlp.experts.layers.1.w",
+        "self_attn.q.weight": "language_model.model.layers.1.self_attn.q.weight"}
+    bare = {"layers.1.mlp.up_proj.weight": "a"}
+    assert layer_tensor_names("v", 1, bare) == {"mlp.up_proj.weight": "layers.1.mlp.up_proj.weight"}
+    vlm = {"model.language_model.layers.0.mlp.w": "a", "model.vision_tower.blocks.layers.0.mlp.w": "a"}
+    assert list(layer_tensor_names("v", 0, vlm).values()) == ["model.language_model.layers.0.mlp.w"]
+    with pytest.raises(VerifierError, match="decoder layer 2 in the weights of v: no such layer"):
+        layer_tensor_names("v", 2, kimi)
+    with pytest.raises(VerifierError, match="several layer stacks"):
+        layer_tensor_names("v", 0, {"a.model.layers.0.w": "a", "b.model.layers.0.w": "a"})

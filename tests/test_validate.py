@@ -650,6 +650,7 @@ def test_untrained_draft_starts_where_the_trained_run_started(tiny_llama_verifie
     fc = load_file(str(make_untrained_draft(seeded, tiny_llama_verifier, tmp_path / "u-seeded") / "model.safetensors"))
     want = Eagle3Draft.from_verifier(trained.config, tiny_llama_verifier, trained.d2t, trained.t2d, seed=1)
     torch.testing.assert_close(fc["fc.weight"].float(), want.fc.weight.float())
-    (seeded / "eagle3_run.json").write_text("{not json")
-    with pytest.raises(ValueError, match=r"eagle3_run.json: unreadable"):
-        make_untrained_draft(seeded, tiny_llama_verifier, tmp_path / "u-broken")
+    for broken in ("{not json", '{"run_config": null}', '{"run_config": {"seed": "x"}}'):
+        (seeded / "eagle3_run.json").write_text(broken)
+        with pytest.raises(ValueError, match=r"eagle3_run.json: unreadable"):
+            make_untrained_draft(seeded, tiny_llama_verifier, tmp_path / "u-broken")

@@ -57,7 +57,14 @@ from torch import nn
 
 from eagle3.draft.config import DraftConfig, DraftConfigError
 from eagle3.draft.rope import apply_gptj, apply_neox, mla_rope_tables, mla_softmax_scale, rope_tables
-from eagle3.support.verifier import VerifierSpec, layer_tensor_names, load_verifier_head, read_layer, weight_map
+from eagle3.support.verifier import (
+    VerifierError,
+    VerifierSpec,
+    layer_tensor_names,
+    load_verifier_head,
+    read_layer,
+    weight_map,
+)
 
 
 class RMSNorm(nn.Module):
@@ -272,7 +279,7 @@ LAYER_INIT = {
     "midlayer.mlp.up_proj.weight": "mlp.up_proj.weight",
     "midlayer.mlp.down_proj.weight": "mlp.down_proj.weight",
 }
-HALF_INPUT = ("midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight")
+HALF_INPUT = tuple(f"midlayer.self_attn.{x}_proj.weight" for x in "qkv")
 
 
 class Eagle3Draft(nn.Module):
@@ -330,11 +337,18 @@ class Eagle3Draft(nn.Module):
 
         Refused, naming the field: the mla draft kind; a layer the verifier lacks; a verifier layer that is not a
         plain Llama layer (any tensor besides LAYER_INIT's: MLA attention, MoE experts, biases, q/k norms, Gemma's
-        extra norms, FP8 scales) or whose MLP is not silu; draft widths or rope other than the verifier's."""
+        extra norms, FP8 scales) or whose MLP is not silu; draft widths or rope_theta other than the verifier's.
+        (A verifier's rope_scaling is not the draft's concern here: a llama draft computes default RoPE either way.)"""
         where = "train.init_from_layer"
         if self.config.kind != "llama":
             raise DraftConfigError(f"{where}: starting from a verifier layer is implemented for the llama draft "
                                    f"kind, not {self.config.kind!r}")
+        try:
+            self._copy_layer(verifier_path, layer, where)
+        except VerifierError as e:
+            raise DraftConfigError(f"{where}: {e}") from None
+
+    def _copy_layer(self, verifier_path: str | Path, layer: int, where: str) -> None:
         spec = VerifierSpec.from_path(verifier_path)
         n_layers = spec.num_hidden_layers
         if not -n_layers <= layer < n_layers:
@@ -354,7 +368,8 @@ class Eagle3Draft(nn.Module):
             raise DraftConfigError(f"{where}: the draft's {', '.join(differ)} differ from the verifier's layer; leave "
                                    f"train.draft's widths and rope_theta unset")
         wmap = weight_map(verifier_path)
-        tails = set(layer_tensor_names(verifier_path, layer, wmap))
+        # old Llama checkpoints store the RoPE frequencies per layer: not a weight
+        tails = {t for t in layer_tensor_names(verifier_path, layer, wmap) if not t.endswith("rotary_emb.inv_freq")}
         extra, missing = sorted(tails - set(LAYER_INIT.values())), sorted(set(LAYER_INIT.values()) - tails)
         if extra or missing:
             has = f"it also has {', '.join(extra[:6])}{' ...' if len(extra) > 6 else ''}" if extra else ""

@@ -266,18 +266,20 @@ def layer_tensor_names(path: str | Path, layer: int, wmap: dict[str, str] | None
     """Every tensor of decoder layer ``layer`` (vLLM's id k = the residual stream entering layer k, so layer k's own
     weights): tail after ``layers.<k>.`` (e.g. "mlp.up_proj.weight") -> full name. Where a checkpoint holds several
     ``layers`` stacks (a vision tower's, an MTP module's) the language model's is taken: the stack whose parent
-    component is ``model`` (the rule ``find_tensor_names`` applies to the head)."""
+    component is ``model`` or ``language_model`` (the rule ``find_tensor_names`` applies to the head). A name's
+    first ``layers.<int>`` is its stack (experts' own ``layers`` below it are part of the tail)."""
     path = Path(path)
     names = wmap if wmap is not None else weight_map(path)
     stacks: dict[str, dict[str, str]] = {}
     for name in names:
         parts = name.split(".")
         for i in range(len(parts) - 2):
-            if parts[i] == "layers" and parts[i + 1] == str(layer):
-                stacks.setdefault(".".join(parts[:i]), {})[".".join(parts[i + 2:])] = name
+            if parts[i] == "layers" and parts[i + 1].isdigit():
+                if parts[i + 1] == str(layer):
+                    stacks.setdefault(".".join(parts[:i]), {})[".".join(parts[i + 2:])] = name
                 break
     if len(stacks) > 1:
-        preferred = {p: t for p, t in stacks.items() if p.split(".")[-1:] in (["model"], [""])}
+        preferred = {p: t for p, t in stacks.items() if p.split(".")[-1] in ("model", "language_model", "")}
         stacks = preferred or stacks
     if len(stacks) != 1:
         found = "no such layer" if not stacks else f"several layer stacks: {sorted(stacks)}"
