@@ -118,6 +118,21 @@ def read_config(folder: str | os.PathLike) -> DraftConfig:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
 
 
+def read_run_info(folder: str | os.PathLike) -> dict[str, Any]:
+    """The checkpoint's eagle3_run.json as a mapping ({} when the folder has none); an unreadable file is one
+    CheckpointError naming it."""
+    path = Path(folder) / RUN_INFO
+    if not path.is_file():
+        return {}
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(info, dict) or not isinstance(info.get("run_config", {}), dict):
+        raise CheckpointError(f"{path}: unreadable (not a mapping with a run_config mapping)")
+    return info
+
+
 def load_draft(folder: str | os.PathLike, verifier_path: str | os.PathLike | None = None,
                device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Eagle3Draft:
     """Rebuild an ``Eagle3Draft`` from a checkpoint folder; the embedding comes from the verifier when absent."""
@@ -134,8 +149,7 @@ def load_draft(folder: str | os.PathLike, verifier_path: str | os.PathLike | Non
     want = dict(draft.state_dict())
     if "embed_tokens.weight" not in tensors:
         if verifier_path is None:
-            run = folder / RUN_INFO
-            verifier_path = json.loads(run.read_text()).get("verifier") if run.is_file() else None
+            verifier_path = read_run_info(folder).get("verifier")
         if not verifier_path:
             raise CheckpointError(f"{weights} has no embed_tokens.weight and no verifier path was given "
                                   f"(nor found in {folder / RUN_INFO})")

@@ -96,22 +96,19 @@ def make_untrained_draft(draft_dir: str | os.PathLike, verifier_path: str | os.P
     checkpoint."""
     from safetensors.torch import load_file
 
-    from eagle3.draft.checkpoint import RUN_INFO, read_config, save_draft
+    from eagle3.draft.checkpoint import RUN_INFO, CheckpointError, read_config, read_run_info, save_draft
     from eagle3.draft.model import Eagle3Draft
 
     cfg = read_config(draft_dir)
     tables = load_file(str(Path(draft_dir) / WEIGHTS))
-    run_info = Path(draft_dir) / RUN_INFO
+    run_config = read_run_info(draft_dir).get("run_config", {})
     try:
-        run_config = json.loads(run_info.read_text()).get("run_config", {}) if run_info.is_file() else {}
-        if not isinstance(run_config, dict):
-            raise TypeError(f"run_config is a {type(run_config).__name__}, not a mapping")
         init_layer = run_config.get("init_from_layer")
         init_layer = None if init_layer is None else int(init_layer)
         seed = int(run_config.get("seed", seed))
-    except (OSError, ValueError, TypeError, AttributeError) as e:
-        raise ValueError(f"{run_info}: unreadable ({type(e).__name__}: {e}); the untrained draft starts where the "
-                         f"trained run started, which this file says") from None
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{Path(draft_dir) / RUN_INFO}: unreadable run_config (seed / init_from_layer: "
+                              f"{e})") from None
     draft = Eagle3Draft.from_verifier(cfg, verifier_path, tables["d2t"], tables["t2d"], seed=seed,
                                       init_layer=init_layer)
     return save_draft(out, cfg, draft.state_dict(), {"verifier": str(verifier_path), "untrained": True,
