@@ -430,6 +430,8 @@ class TrainingShape(BaseModel):
     nproc: int = Field(gt=0, description="Training processes (GPUs) per host.")
     draft_vocab_size: int = Field(gt=0, description="Draft vocabulary, tokens (configured; size_to_data: at most).")
     draft: DraftArchitecture = Field(description="The draft's architecture options (its parameter count).")
+    init_from_layer: int | None = Field(None, description="train.init_from_layer: the verifier decoder layer the "
+                                        "draft starts from (vLLM's id k; -1 = the last), checked at plan time.")
 
 
 class TrainingTime(BaseModel):
@@ -526,6 +528,20 @@ def regenerated_lengths(prompt: np.ndarray, turns: np.ndarray, max_seq_len: int,
     return lengths, int((lengths - np.minimum(prompt, lengths)).sum())
 
 
+def _check_init_layer(shape: TrainingShape, spec: VerifierSpec, aux_layer_ids: list[int]) -> None:
+    """CapacityError where the draft could not start from the verifier layer ``shape.init_from_layer``
+    (``eagle3.draft.model.check_init_layer``: config.json and weight names, no tensor read), so that a run is refused
+    before its hours of regeneration and extraction instead of when training starts."""
+    from eagle3.draft.config import DraftConfig, DraftConfigError
+    from eagle3.draft.model import check_init_layer
+
+    try:
+        check_init_layer(DraftConfig.build(spec, shape.draft_vocab_size, aux_layer_ids, shape.draft), spec.path,
+                         shape.init_from_layer)
+    except DraftConfigError as e:
+        raise CapacityError(str(e)) from None
+
+
 def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: VerifierIdentity, prepared: PreparedData,
                   dest: str | os.PathLike, out_dir: str | Path,
                   regenerate: RegenerateConfig | None = None, training: TrainingShape | None = None,
@@ -539,13 +555,16 @@ def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: Verifie
     assistant turn at max_new_tokens, each conversation cut at max_seq_len), and the time adds the regeneration
     estimate (a verifier load + the generated tokens at generation_tokens_per_second). With ``training`` the time
     adds the training estimate on its nodes x nproc GPUs (``plan_training_time``), and the plan refuses a draft kind
-    vLLM here could not serve beside the verifier. The plan counts every verifier load of the run
+    vLLM here could not serve beside the verifier, or a verifier layer the draft could not start from
+    (``init_from_layer``). The plan counts every verifier load of the run
     (``verifier_loads``, with ``validate``'s engine sessions) and their time."""
     spec = verifier.spec()
     if training is not None and (problem := serving_pair_problem(spec.mla, training.draft.kind,
                                                                   device_type("auto"))):
         raise CapacityError(problem)
     aux = spec.resolve_aux_layer_ids(extract.aux_layer_ids)
+    if training is not None and training.init_from_layer is not None:
+        _check_init_layer(training, spec, aux)
     compute, store = extract.resolved_dtypes(spec)
     lengths: str | np.ndarray = prepared.dataset_path
     regen_s = regen_tokens = None

@@ -217,10 +217,12 @@ class PipelineConfig(BaseModel):
                                              "engine": self.engine_for(self.extract)})
 
     def training_shape(self) -> TrainingShape:
-        """What the capacity plan's training time estimate reads (epochs, split, batch, nodes x GPUs, draft size)."""
+        """What the capacity plan reads of training: the time estimate's epochs, split, batch, nodes x GPUs and draft
+        size, and the verifier layer the draft starts from (checked before extraction)."""
         t = self.train
         return TrainingShape(epochs=t.epochs, val_ratio=t.val_ratio, batch_size=t.batch_size, nodes=t.nodes,
-                             nproc=t.nproc, draft_vocab_size=self.vocab.draft_vocab_size, draft=t.draft)
+                             nproc=t.nproc, draft_vocab_size=self.vocab.draft_vocab_size, draft=t.draft,
+                             init_from_layer=t.init_from_layer)
 
     def train_config(self) -> TrainConfig:
         return TrainConfig.model_validate({**self.train.model_dump(),

@@ -22,7 +22,8 @@ def plan_capacity_task(cfg: CapacityConfig, extract: ExtractConfig, verifier: Ve
     """-> CapacityPlan (the store's resolved layout, bytes, free space, time) + plan.json.
 
     Raises CapacityError when the store would not fit at ``run_dir`` with the margin (cfg.on_insufficient="fail"),
-    or when vLLM here cannot serve the ``draft`` kind beside the verifier.
+    when vLLM here cannot serve the ``draft`` kind beside the verifier, or when the draft could not start from the
+    verifier layer ``training.init_from_layer`` names (checked from config.json and weight names).
     """
     out_dir = stage_dir(run_dir)
     plan = plan_capacity(cfg, extract, verifier, prepared, run_dir, out_dir, regenerate, training, validate)

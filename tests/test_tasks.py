@@ -58,6 +58,40 @@ def test_stage_tasks_return_small_typed_artifacts_with_existing_outputs(front):
     assert vocab.draft_vocab_size == 256 and 0 < vocab.coverage <= 1
 
 
+def test_capacity_refuses_an_init_layer_the_draft_cannot_start_from_without_reading_weights(
+        front, monkeypatch, tmp_path_factory):
+    """train.init_from_layer is checked at plan time, from config.json and weight names (no tensor is read): a layer
+    the verifier lacks, or one that is not a plain Llama layer (biases), is refused before regeneration and
+    extraction, naming the field; a layer the draft can start from plans as before."""
+    from helpers import save_tiny_llama
+
+    import eagle3.support.verifier as verifier_mod
+    from eagle3.capacity import CapacityError
+
+    def no_tensor_reads(*args, **kwargs):
+        raise AssertionError("the plan read a tensor")
+
+    monkeypatch.setattr(verifier_mod, "read_tensor", no_tensor_reads)
+    cfg, verifier, prepared, _ = front
+    run_dir = str(tmp_path_factory.mktemp("init-layer-run"))
+    shape = cfg.training_shape()
+    layers = verifier.spec().num_hidden_layers
+    assert shape.init_from_layer is None  # the tiny preset starts from a seeded init
+    with pytest.raises(CapacityError, match=rf"^train.init_from_layer: {layers} is not a decoder layer of the verifier"):
+        plan_capacity_task.fn(cfg.capacity, cfg.extract_config(), verifier, prepared, run_dir,
+                              training=shape.model_copy(update={"init_from_layer": layers}))
+    plan = plan_capacity_task.fn(cfg.capacity, cfg.extract_config(), verifier, prepared, run_dir,
+                                 training=shape.model_copy(update={"init_from_layer": -1}))
+    assert plan.aux_layer_ids == [1, 2, 3]
+    biased_path = save_tiny_llama(tmp_path_factory.mktemp("biased") / "verifier", attention_bias=True)
+    biased = describe_verifier_task.fn(str(biased_path))
+    extract = cfg.extract_config().model_copy(update={"verifier": str(biased_path)})
+    with pytest.raises(CapacityError, match=r"^train.init_from_layer: the verifier's layer 1 is not a plain Llama "
+                                            r"layer .*it also has self_attn.k_proj.bias"):
+        plan_capacity_task.fn(cfg.capacity, extract, biased, prepared, run_dir,
+                              training=shape.model_copy(update={"init_from_layer": 1}))
+
+
 def test_capacity_artifact_opens_with_its_verdict_and_wraps_at_the_ui_width(front):
     """Issue 20: the capacity-plan artifact was a code block whose long lines the UI cut off on the right, the
     "fits" verdict with them. It now opens with the verdict and its figures, and each plan line is a list item."""

@@ -282,6 +282,53 @@ LAYER_INIT = {
 HALF_INPUT = tuple(f"midlayer.self_attn.{x}_proj.weight" for x in "qkv")
 
 
+def check_init_layer(config: DraftConfig, verifier_path: str | Path, layer: int,
+                     where: str = "train.init_from_layer") -> tuple[int, dict[str, str]]:
+    """Whether a draft of ``config`` can start as the verifier's decoder layer ``layer`` (``init_from_layer``),
+    from the verifier's config.json and weight names only (no tensor is read: the capacity plan asks this before
+    anything is regenerated or extracted). Returns (the layer as a non-negative id, the verifier's weight map).
+
+    Refused with a DraftConfigError naming ``where``: a draft kind other than llama; a layer the verifier lacks; a
+    verifier layer that is not a plain Llama layer (any tensor besides LAYER_INIT's: MLA attention, MoE experts,
+    biases, q/k norms, Gemma's extra norms, FP8 scales) or whose MLP is not silu; draft widths or rope_theta other
+    than the verifier's. (A verifier's rope_scaling is not the draft's concern here: a llama draft computes default
+    RoPE either way.)"""
+    if config.kind != "llama":
+        raise DraftConfigError(f"{where}: starting from a verifier layer is implemented for the llama draft kind, "
+                               f"not {config.kind!r}")
+    try:
+        spec = VerifierSpec.from_path(verifier_path)
+        n_layers = spec.num_hidden_layers
+        if not -n_layers <= layer < n_layers:
+            raise DraftConfigError(f"{where}: {layer} is not a decoder layer of the verifier {verifier_path} "
+                                   f"(layers 0 .. {n_layers - 1}, or -1 .. -{n_layers} from the last)")
+        layer %= n_layers
+        act = spec.text_config.get("hidden_act") or spec.text_config.get("hidden_activation") or "silu"
+        if act != "silu":
+            raise DraftConfigError(f"{where}: the verifier's MLP uses {act!r}, the draft's silu: its layer {layer} "
+                                   f"would compute something else here")
+        default = DraftConfig.build(spec, config.draft_vocab_size, config.aux_layer_ids,
+                                    torch_dtype=config.torch_dtype)
+        differ = [f"{k} {getattr(config, k)} (verifier {getattr(default, k)})"
+                  for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta")
+                  if getattr(config, k) != getattr(default, k)]
+        if differ:
+            raise DraftConfigError(f"{where}: the draft's {', '.join(differ)} differ from the verifier's layer; leave "
+                                   f"train.draft's widths and rope_theta unset")
+        wmap = weight_map(verifier_path)
+        # old Llama checkpoints store the RoPE frequencies per layer: not a weight
+        tails = {t for t in layer_tensor_names(verifier_path, layer, wmap) if not t.endswith("rotary_emb.inv_freq")}
+    except VerifierError as e:
+        raise DraftConfigError(f"{where}: {e}") from None
+    extra, missing = sorted(tails - set(LAYER_INIT.values())), sorted(set(LAYER_INIT.values()) - tails)
+    if extra or missing:
+        has = f"it also has {', '.join(extra[:6])}{' ...' if len(extra) > 6 else ''}" if extra else ""
+        lacks = f"it lacks {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}" if missing else ""
+        raise DraftConfigError(f"{where}: the verifier's layer {layer} is not a plain Llama layer the draft can start "
+                               f"from ({'; '.join(x for x in (has, lacks) if x)})")
+    return layer, wmap
+
+
 class Eagle3Draft(nn.Module):
     """Parameters named exactly as the checkpoint contract (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, optional
     ``input_norm`` / ``fc_norm.<i>``, buffers ``d2t`` / ``t2d``, frozen ``embed_tokens``)."""
@@ -333,50 +380,14 @@ class Eagle3Draft(nn.Module):
         input is the residual stream k; negative counts from the last, -1 = the last layer): its norms, o_proj and
         MLP as they are, and its q/k/v as the half of the draft's q/k/v that reads the hidden state h_n; the half
         that reads the token embedding e keeps its seeded init. With that half at zero (and norm_before_residual
-        off) the layer computes exactly the verifier's layer on h (tests/test_model.py).
-
-        Refused, naming the field: the mla draft kind; a layer the verifier lacks; a verifier layer that is not a
-        plain Llama layer (any tensor besides LAYER_INIT's: MLA attention, MoE experts, biases, q/k norms, Gemma's
-        extra norms, FP8 scales) or whose MLP is not silu; draft widths or rope_theta other than the verifier's.
-        (A verifier's rope_scaling is not the draft's concern here: a llama draft computes default RoPE either way.)"""
+        off) the layer computes exactly the verifier's layer on h (tests/test_model.py). Refused as
+        ``check_init_layer`` refuses, before any tensor is read."""
         where = "train.init_from_layer"
-        if self.config.kind != "llama":
-            raise DraftConfigError(f"{where}: starting from a verifier layer is implemented for the llama draft "
-                                   f"kind, not {self.config.kind!r}")
+        layer, wmap = check_init_layer(self.config, verifier_path, layer, where)
         try:
-            self._copy_layer(verifier_path, layer, where)
+            tensors = read_layer(verifier_path, layer, tuple(LAYER_INIT.values()), wmap)
         except VerifierError as e:
             raise DraftConfigError(f"{where}: {e}") from None
-
-    def _copy_layer(self, verifier_path: str | Path, layer: int, where: str) -> None:
-        spec = VerifierSpec.from_path(verifier_path)
-        n_layers = spec.num_hidden_layers
-        if not -n_layers <= layer < n_layers:
-            raise DraftConfigError(f"{where}: {layer} is not a decoder layer of the verifier {verifier_path} "
-                                   f"(layers 0 .. {n_layers - 1}, or -1 .. -{n_layers} from the last)")
-        layer %= n_layers
-        act = spec.text_config.get("hidden_act") or spec.text_config.get("hidden_activation") or "silu"
-        if act != "silu":
-            raise DraftConfigError(f"{where}: the verifier's MLP uses {act!r}, the draft's silu: its layer {layer} "
-                                   f"would compute something else here")
-        default = DraftConfig.build(spec, self.config.draft_vocab_size, self.config.aux_layer_ids,
-                                    torch_dtype=self.config.torch_dtype)
-        differ = [f"{k} {getattr(self.config, k)} (verifier {getattr(default, k)})"
-                  for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta")
-                  if getattr(self.config, k) != getattr(default, k)]
-        if differ:
-            raise DraftConfigError(f"{where}: the draft's {', '.join(differ)} differ from the verifier's layer; leave "
-                                   f"train.draft's widths and rope_theta unset")
-        wmap = weight_map(verifier_path)
-        # old Llama checkpoints store the RoPE frequencies per layer: not a weight
-        tails = {t for t in layer_tensor_names(verifier_path, layer, wmap) if not t.endswith("rotary_emb.inv_freq")}
-        extra, missing = sorted(tails - set(LAYER_INIT.values())), sorted(set(LAYER_INIT.values()) - tails)
-        if extra or missing:
-            has = f"it also has {', '.join(extra[:6])}{' ...' if len(extra) > 6 else ''}" if extra else ""
-            lacks = f"it lacks {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}" if missing else ""
-            raise DraftConfigError(f"{where}: the verifier's layer {layer} is not a plain Llama layer the draft can "
-                                   f"start from ({'; '.join(x for x in (has, lacks) if x)})")
-        tensors = read_layer(verifier_path, layer, tuple(LAYER_INIT.values()), wmap)
         params = dict(self.named_parameters())
         hidden = self.config.hidden_size
         with torch.no_grad():

@@ -81,8 +81,9 @@ class TrainConfig(BaseModel):
         None, description="Start the draft's decoder layer as the verifier's decoder layer k (vLLM's layer id: "
         "the layer whose input is the residual stream k; negative counts from the last, -1 = the last): its norms, "
         "o_proj and MLP, and its q/k/v as the half of the draft's q/k/v that reads the hidden state (the embedding "
-        "half keeps the seeded init). Llama draft kind at the verifier's widths. None = seeded random layer "
-        "(EAGLE-3).")
+        "half keeps the seeded init). Llama draft kind at the verifier's widths; the capacity plan checks the "
+        "verifier's layer (config.json and weight names) before anything is regenerated or extracted. None = seeded "
+        "random layer (EAGLE-3).")
     keep_last_n: int = Field(2, ge=0, description="Epoch checkpoints kept besides `best` (0 = keep all).",
         json_schema_extra=RUNTIME)
     save_state_every_steps: int = Field(0, ge=0, description="Also write the resume state every this many "
