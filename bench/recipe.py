@@ -18,7 +18,9 @@ come, so a long queue can be read while it runs. No decoding speed here (speed_r
 extract-hidden-states-* store, for example a 2,056-conversation extraction made by another checkout, whose stage keys
 need not match this one's): each variant then builds the vocabulary, trains and validates through the same library
 functions the flow's stages call, into ``<runs-dir>/<variant>/``, with the preset's settings plus the overrides;
-the extraction settings of the store (aux layers, dtype) are the store's own.
+the extraction settings of the store (aux layers, dtype) are the store's own. ``--from-stages PREPARE_DIR
+STORE_DIR`` names the two stage folders instead (a prepare-regenerated-* folder and the extract-hidden-states-*
+folder made from it), where a run folder holds several of each and the newest is not the pair wanted.
 """
 
 from __future__ import annotations
@@ -60,11 +62,23 @@ def latest_dir(run_dir: Path, stage: str) -> Path:
     return max(found, key=lambda p: p.stat().st_mtime)
 
 
-def run_from_store(config: PipelineConfig, store_run: Path, out: Path) -> tuple[DraftCheckpoint, dict]:
-    """vocab -> train -> validate on ``store_run``'s newest regenerated dataset and store, into ``out``: the library
-    calls of the flow's vocab, train and validate stages, without the flow (no stage keys to match)."""
-    dataset = latest_dir(store_run, "prepare-regenerated") / "dataset"
-    store = latest_dir(store_run, "extract-hidden-states") / "store"
+def stage_pair(store_run: Path | None, stages: list[Path] | None) -> tuple[Path, Path]:
+    """(dataset, store) folders: ``stages`` = [prepare stage folder, extraction stage folder] as named, else
+    ``store_run``'s newest regenerated dataset and store."""
+    if stages:
+        prepare, extract = (Path(p) for p in stages)
+        dataset, store = prepare / "dataset", extract / "store"
+        for path, flag in ((dataset, "PREPARE_DIR"), (store, "STORE_DIR")):
+            if not path.is_dir():
+                raise SystemExit(f"--from-stages {flag}: {path} is not a folder (name the stage folder that holds it)")
+        return dataset, store
+    return (latest_dir(store_run, "prepare-regenerated") / "dataset",
+            latest_dir(store_run, "extract-hidden-states") / "store")
+
+
+def run_from_store(config: PipelineConfig, dataset: Path, store: Path, out: Path) -> tuple[DraftCheckpoint, dict]:
+    """vocab -> train -> validate on a prepared ``dataset`` and its ``store``, into ``out``: the library calls of the
+    flow's vocab, train and validate stages, without the flow (no stage keys to match)."""
     vocab = build_vocab(config.vocab, dataset, VerifierSpec.from_path(config.verifier).vocab_size, out / "vocab")
     ckpt = train_draft(config.train_config(), store, vocab, out / "train", verifier=config.verifier)
     report = validate_draft(config.validate_config, ckpt, out / "validate", verifier=config.verifier,
@@ -79,7 +93,11 @@ def main() -> None:
     ap.add_argument("--variant", action="append", required=True, help="NAME:KEY=VALUE,KEY=VALUE (repeatable)")
     ap.add_argument("--prompts", type=int, default=65, help="held-out validation prompts")
     ap.add_argument("--set", action="append", default=[], help="overrides common to every variant")
-    ap.add_argument("--from-run", type=Path, help="train on this run folder's store instead of running the flow")
+    source = ap.add_mutually_exclusive_group()
+    source.add_argument("--from-run", type=Path, help="train on this run folder's store instead of running the flow")
+    source.add_argument("--from-stages", type=Path, nargs=2, metavar=("PREPARE_DIR", "STORE_DIR"),
+                        help="train on these two stage folders (a prepare-regenerated-* and its "
+                        "extract-hidden-states-*) instead of running the flow")
     args = ap.parse_args()
     common = {"runs_dir": args.runs_dir, "run_name": args.run_name, "validate.num_prompts": args.prompts,
               "validate.compare_untrained": False, "validate.speed_repeats": 0,
@@ -90,9 +108,9 @@ def main() -> None:
     for text in args.variant:
         name, overrides = parse_variant(text)
         t0 = time.perf_counter()
-        if args.from_run:
-            ckpt, report = run_from_store(load_config("smollm2", {**common, **overrides}), args.from_run,
-                                          Path(args.runs_dir) / name)
+        if args.from_run or args.from_stages:
+            ckpt, report = run_from_store(load_config("smollm2", {**common, **overrides}),
+                                          *stage_pair(args.from_run, args.from_stages), Path(args.runs_dir) / name)
             rows[name] = _row(name, overrides, ckpt, report, time.perf_counter() - t0, common, args, log_path)
             continue
         state = eagle3_pipeline(load_config("smollm2", {**common, **overrides}), return_state=True)
@@ -121,7 +139,8 @@ def _row(name, overrides, ckpt, report, wall, common, args, log_path) -> dict:
            "steps": ckpt.global_step, "tokens": ckpt.tokens_seen, "draft_vocab_size": ckpt.draft_vocab_size,
            "train_s": ckpt.wall_s, "flow_s": wall,
            "load_end": _load(), "common": common, "prompts": args.prompts,
-           "from_run": str(args.from_run) if args.from_run else None}
+           "from_run": str(args.from_run) if args.from_run else None,
+           "from_stages": [str(p) for p in args.from_stages] if args.from_stages else None}
     with log_path.open("a") as f:
         f.write(json.dumps(row) + "\n")
     print(f"{name}: vLLM mean acceptance length {row['vllm']:.3f} (per position "
