@@ -11,7 +11,10 @@ speculators' offline format (a ``datasets`` folder with input_ids / loss_mask / 
 Everything else is each tool's own recipe: ours the smollm2 preset's train section (plus any ``--set`` overrides,
 e.g. ``--set train.optimizer=muon``), speculators its defaults for
 eagle3 (norm_before_fc, norm_output, norm_before_residual, Muon + AdamW at lr 1e-3, linear schedule, equal TTT step
-weights, bf16 autocast); both unroll 3 TTT steps and see the same tokens per optimizer step (the preset's
+weights); both compute in our preset's dtypes on this CPU (train.cpu_dtype and train.muon_ns_dtype resolved: float32
+for both on a CPU without native bf16, where speculators' default bf16 autocast and torch's bf16 Newton-Schulz steps
+crawl; given to speculators as --hidden-states-dtype and bench/speculators_cpu.py's --muon-ns-dtype); both unroll 3
+TTT steps and see the same tokens per optimizer step (the preset's
 train.batch_size packed rows x max_seq_len tokens, given to speculators as --total-seq-len; speculators' own default
 is 8192). Speculators runs on CPU through bench/speculators_cpu.py (runtime patches, its own
 venv) with the two settings a CPU needs: --draft-attn-impl sdpa (its default FlexAttention has no backward on a CPU)
@@ -133,6 +136,19 @@ def train_ours(store: Path, mapping: Path, samples: int, epochs: int, out: Path,
             "steps": res["global_step"], "epochs": epochs, "note": f"best epoch {res['best_epoch']} of {epochs}"}
 
 
+def ours_dtypes(overrides: list[str]) -> tuple[str, str]:
+    """Our smollm2 preset's training dtypes on this CPU (after ``--set``): (compute dtype: train.cpu_dtype resolved,
+    Muon's Newton-Schulz dtype: train.muon_ns_dtype resolved). Speculators gets the same two (its
+    --hidden-states-dtype, its autocast dtype; bench/speculators_cpu.py's --muon-ns-dtype), so that the side by side
+    compares recipes, not one tool's bf16 against the other's float32 on a CPU that may lack native bf16."""
+    from eagle3.config import load_config, parse_set
+    from eagle3.support.dtypes import resolve_compute_dtype
+    from eagle3.train.optim import muon_ns_dtype
+
+    cfg = load_config("smollm2", parse_set(overrides)).train_config()
+    return resolve_compute_dtype(cfg.cpu_dtype, "bfloat16", "cpu"), muon_ns_dtype(cfg, "cpu")
+
+
 def tokens_per_step(overrides: list[str]) -> int:
     """Our smollm2 preset's tokens per optimizer step (packed rows x row length, after ``--set``): speculators gets
     the same."""
@@ -142,7 +158,8 @@ def tokens_per_step(overrides: list[str]) -> int:
     return cfg.batch_size * cfg.max_seq_len
 
 
-def train_speculators(python: str, data: Path, samples: int, epochs: int, out: Path, step_tokens: int) -> dict:
+def train_speculators(python: str, data: Path, samples: int, epochs: int, out: Path, step_tokens: int,
+                      dtypes: tuple[str, str]) -> dict:
     import numpy as np
 
     from tools.gguf_convert import SMOLLM2_DIR
@@ -156,7 +173,9 @@ def train_speculators(python: str, data: Path, samples: int, epochs: int, out: P
            "--train-data-ratio", "0.95", "--num-workers", "1", "--prefetch-factor", "2", "--ttt-steps", "3",
            "--save-path", str(out / "checkpoints"), "--log-dir", str(out / "logs"), "--no-resume-from-checkpoint",
            # on a CPU: FlexAttention has no backward there, the fused losses need Triton (0.9 refuses both)
-           "--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
+           "--draft-attn-impl", "sdpa", "--loss-implementation", "eager",
+           # ours' dtypes on this CPU (ours_dtypes); the second is the launcher's flag, not speculators'
+           "--hidden-states-dtype", dtypes[0], "--muon-ns-dtype", dtypes[1]]
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     r = timed(cmd, out / "train.log", env=env)
@@ -204,8 +223,10 @@ def main() -> None:
     store = stage_folder(run_dir, "extract-hidden-states", "store")
     mapping = stage_folder(run_dir, "build-vocab", "mapping.safetensors")
     out = Path(ns.out or tempfile.mkdtemp(prefix="speculators-side-by-side-")).resolve()
-    print(f"work folder {out}; store {store}; {tokens_per_step(ns.set)} tokens per optimizer step for both; ours: "
-          f"the smollm2 preset{' with ' + ', '.join(ns.set) if ns.set else ''}; load at start {_load()}", flush=True)
+    compute, ns_dtype = ours_dtypes(ns.set)
+    print(f"work folder {out}; store {store}; {tokens_per_step(ns.set)} tokens per optimizer step for both; compute "
+          f"dtype {compute}, Muon's Newton-Schulz steps in {ns_dtype} for both; ours: the smollm2 preset"
+          f"{' with ' + ', '.join(ns.set) if ns.set else ''}; load at start {_load()}", flush=True)
     data = out / "speculators-data"
     if not (data / "dataset_info.json").is_file():
         n = to_speculators_format(store, mapping, ns.samples, data)
@@ -228,7 +249,7 @@ def main() -> None:
                 r = train_ours(store, mapping, ns.samples, epochs[tool], folder, ns.set)
             else:
                 r = train_speculators(ns.speculators_python, data, ns.samples, epochs[tool], folder,
-                                      tokens_per_step(ns.set))
+                                      tokens_per_step(ns.set), ours_dtypes(ns.set))
                 r["tokens"] = round(token_count * 0.95) * epochs[tool]  # its train split, every epoch
             r["tokens_per_s"] = r["tokens"] / r["wall_s"]
             print(f"[{name}] {tool}: {r['wall_s']:.0f} s, {r['tokens_per_s']:.0f} tok/s, peak RSS "
