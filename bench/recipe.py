@@ -19,8 +19,9 @@ extract-hidden-states-* store, for example a 2,056-conversation extraction made 
 need not match this one's): each variant then builds the vocabulary, trains and validates through the same library
 functions the flow's stages call, into ``<runs-dir>/<variant>/``, with the preset's settings plus the overrides;
 the extraction settings of the store (aux layers, dtype) are the store's own. ``--from-stages PREPARE_DIR
-STORE_DIR`` names the two stage folders instead (a prepare-regenerated-* folder and the extract-hidden-states-*
-folder made from it), where a run folder holds several of each and the newest is not the pair wanted.
+STORE_DIR`` names the two stage folders instead (a prepare-regenerated-* folder and an extract-hidden-states-*
+folder), where a run folder holds several of each and the newest is not the pair wanted; that the store was
+extracted from that dataset is the caller's word (the vocabulary is built on the dataset, training reads the store).
 """
 
 from __future__ import annotations
@@ -66,8 +67,7 @@ def stage_pair(store_run: Path | None, stages: list[Path] | None) -> tuple[Path,
     """(dataset, store) folders: ``stages`` = [prepare stage folder, extraction stage folder] as named, else
     ``store_run``'s newest regenerated dataset and store."""
     if stages:
-        prepare, extract = (Path(p) for p in stages)
-        dataset, store = prepare / "dataset", extract / "store"
+        dataset, store = stages[0].resolve() / "dataset", stages[1].resolve() / "store"
         for path, flag in ((dataset, "PREPARE_DIR"), (store, "STORE_DIR")):
             if not path.is_dir():
                 raise SystemExit(f"--from-stages {flag}: {path} is not a folder (name the stage folder that holds it)")
@@ -139,8 +139,8 @@ def _row(name, overrides, ckpt, report, wall, common, args, log_path) -> dict:
            "steps": ckpt.global_step, "tokens": ckpt.tokens_seen, "draft_vocab_size": ckpt.draft_vocab_size,
            "train_s": ckpt.wall_s, "flow_s": wall,
            "load_end": _load(), "common": common, "prompts": args.prompts,
-           "from_run": str(args.from_run) if args.from_run else None,
-           "from_stages": [str(p) for p in args.from_stages] if args.from_stages else None}
+           "from_run": str(args.from_run.resolve()) if args.from_run else None,
+           "from_stages": [str(p.resolve()) for p in args.from_stages] if args.from_stages else None}
     with log_path.open("a") as f:
         f.write(json.dumps(row) + "\n")
     print(f"{name}: vLLM mean acceptance length {row['vllm']:.3f} (per position "

@@ -49,7 +49,7 @@ def float32_newton_schulz() -> None:
     """torch's Muon orthogonalizes each update with its Newton-Schulz steps in float32 (see the module docstring)."""
     from torch.optim import _muon
 
-    sys.path.insert(0, str(REPO))
+    sys.path.append(str(REPO))  # after speculators' own packages
     from eagle3.train.optim import newton_schulz
 
     def in_float32(grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
@@ -65,8 +65,10 @@ def take_ns_dtype(argv: list[str]) -> tuple[str, list[str]]:
     """(--muon-ns-dtype's value, the other arguments): the flag is this launcher's, not speculators'."""
     rest, dtype, it = [], "bfloat16", iter(argv)
     for arg in it:
-        if arg == "--muon-ns-dtype" or arg.startswith("--muon-ns-dtype="):
-            dtype = arg.partition("=")[2] or next(it, "")
+        if arg.startswith("--muon-ns-dtype="):
+            dtype = arg.partition("=")[2]
+        elif arg == "--muon-ns-dtype":
+            dtype = next(it, "")
         else:
             rest.append(arg)
     if dtype not in ("bfloat16", "float32"):

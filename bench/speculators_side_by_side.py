@@ -16,9 +16,10 @@ for both on a CPU without native bf16, where speculators' default bf16 autocast 
 crawl; given to speculators as --hidden-states-dtype and bench/speculators_cpu.py's --muon-ns-dtype); both unroll 3
 TTT steps and see the same tokens per optimizer step (the preset's
 train.batch_size packed rows x max_seq_len tokens, given to speculators as --total-seq-len; speculators' own default
-is 8192). Speculators runs on CPU through bench/speculators_cpu.py (runtime patches, its own
-venv) with the two settings a CPU needs: --draft-attn-impl sdpa (its default FlexAttention has no backward on a CPU)
-and --loss-implementation eager (its fused losses need Triton).
+is 8192). Both train on the CPU (ours with train.device cpu, even where a GPU is present; speculators through
+bench/speculators_cpu.py: runtime patches, its own
+venv, with the two settings a CPU needs: --draft-attn-impl sdpa (its default FlexAttention has no backward on a CPU)
+and --loss-implementation eager (its fused losses need Triton)).
 
 Measured for each: training wall time, trained tokens/s (real tokens x epochs / wall), peak resident memory of the
 training process (/usr/bin/time's maximum RSS), and vLLM's mean acceptance length on the held-out prompts (the eval
@@ -118,7 +119,7 @@ def ours_side(ns: argparse.Namespace) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     cfg = load_config("smollm2", {**parse_set(ns.set), "train.epochs": ns.epochs, "train.max_samples": ns.samples,
-                                  "train.keep_last_n": 1}).train_config()
+                                  "train.keep_last_n": 1, "train.device": "cpu"}).train_config()  # as speculators
     ckpt = train_draft(cfg, ns.store, ns.mapping, ns.ours_out, verifier=SMOLLM2_DIR, resume=False)
     Path(ns.ours_out, "result.json").write_text(json.dumps({
         "checkpoint_dir": ckpt.checkpoint_dir, "tokens_seen": ckpt.tokens_seen, "train_wall_s": ckpt.wall_s,
@@ -259,7 +260,8 @@ def main() -> None:
                   f"(load {_load()})", flush=True)
             rows[tool] = r
         rounds[name] = rows
-        (out / "results.json").write_text(json.dumps(rounds, indent=1))
+        (out / "results.json").write_text(json.dumps({"compute_dtype": compute, "muon_ns_dtype": ns_dtype,
+                                                      "rounds": rounds}, indent=1))
 
     one_round("equal-epochs", {"ours": ns.epochs, "speculators": ns.epochs})
     if ns.equal_wall_clock:

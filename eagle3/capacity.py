@@ -535,9 +535,9 @@ def _check_init_layer(shape: TrainingShape, spec: VerifierSpec, aux_layer_ids: l
     from eagle3.draft.config import DraftConfig, DraftConfigError
     from eagle3.draft.model import check_init_layer
 
+    config = DraftConfig.build(spec, shape.draft_vocab_size, aux_layer_ids, shape.draft)  # as plan_training_time
     try:
-        check_init_layer(DraftConfig.build(spec, shape.draft_vocab_size, aux_layer_ids, shape.draft), spec.path,
-                         shape.init_from_layer)
+        check_init_layer(config, spec.path, shape.init_from_layer)
     except DraftConfigError as e:
         raise CapacityError(str(e)) from None
 

@@ -60,36 +60,64 @@ def test_stage_tasks_return_small_typed_artifacts_with_existing_outputs(front):
 
 def test_capacity_refuses_an_init_layer_the_draft_cannot_start_from_without_reading_weights(
         front, monkeypatch, tmp_path_factory):
-    """train.init_from_layer is checked at plan time, from config.json and weight names (no tensor is read): a layer
-    the verifier lacks, or one that is not a plain Llama layer (biases), is refused before regeneration and
-    extraction, naming the field; a layer the draft can start from plans as before."""
+    """train.init_from_layer is checked at plan time, from config.json and the weights' names and header shapes (no
+    tensor data is read): a layer the verifier lacks, one that is not a plain Llama layer (biases), or one whose
+    weights do not have config.json's widths is refused before regeneration and extraction, naming the field; a
+    layer the draft can start from plans as before."""
     from helpers import save_tiny_llama
+    from safetensors import safe_open
 
     import eagle3.support.verifier as verifier_mod
     from eagle3.capacity import CapacityError
 
-    def no_tensor_reads(*args, **kwargs):
-        raise AssertionError("the plan read a tensor")
+    class HeadersOnly:  # safetensors' file handle that refuses to read tensor data
+        def __init__(self, *args, **kwargs):
+            self.f = safe_open(*args, **kwargs)
 
-    monkeypatch.setattr(verifier_mod, "read_tensor", no_tensor_reads)
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_slice(self, name):
+            shape = self.f.get_slice(name).get_shape()
+            return type("Header", (), {"get_shape": lambda _: shape})()
+
+        def get_tensor(self, name):
+            raise AssertionError(f"the plan read tensor {name}")
+
+    monkeypatch.setattr(verifier_mod, "safe_open", HeadersOnly)
     cfg, verifier, prepared, _ = front
     run_dir = str(tmp_path_factory.mktemp("init-layer-run"))
     shape = cfg.training_shape()
     layers = verifier.spec().num_hidden_layers
     assert shape.init_from_layer is None  # the tiny preset starts from a seeded init
-    with pytest.raises(CapacityError, match=rf"^train.init_from_layer: {layers} is not a decoder layer of the verifier"):
-        plan_capacity_task.fn(cfg.capacity, cfg.extract_config(), verifier, prepared, run_dir,
-                              training=shape.model_copy(update={"init_from_layer": layers}))
-    plan = plan_capacity_task.fn(cfg.capacity, cfg.extract_config(), verifier, prepared, run_dir,
-                                 training=shape.model_copy(update={"init_from_layer": -1}))
-    assert plan.aux_layer_ids == [1, 2, 3]
-    biased_path = save_tiny_llama(tmp_path_factory.mktemp("biased") / "verifier", attention_bias=True)
-    biased = describe_verifier_task.fn(str(biased_path))
-    extract = cfg.extract_config().model_copy(update={"verifier": str(biased_path)})
-    with pytest.raises(CapacityError, match=r"^train.init_from_layer: the verifier's layer 1 is not a plain Llama "
+
+    def plan(init_layer, verifier_path=None):
+        ident = describe_verifier_task.fn(str(verifier_path)) if verifier_path else verifier
+        extract = cfg.extract_config().model_copy(update={"verifier": ident.path})
+        return plan_capacity_task.fn(cfg.capacity, extract, ident, prepared, run_dir,
+                                     training=shape.model_copy(update={"init_from_layer": init_layer}))
+
+    with pytest.raises(CapacityError, match=rf"^train\.init_from_layer: {layers} is not a decoder layer of the "):
+        plan(layers)
+    assert plan(-1).aux_layer_ids == [1, 2, 3]
+    biased = save_tiny_llama(tmp_path_factory.mktemp("biased") / "verifier", attention_bias=True)
+    with pytest.raises(CapacityError, match=r"^train\.init_from_layer: the verifier's layer 1 is not a plain Llama "
                                             r"layer .*it also has self_attn.k_proj.bias"):
-        plan_capacity_task.fn(cfg.capacity, extract, biased, prepared, run_dir,
-                              training=shape.model_copy(update={"init_from_layer": 1}))
+        plan(1, biased)
+    mislabelled = save_tiny_llama(tmp_path_factory.mktemp("mislabelled") / "verifier")
+    config = json.loads((mislabelled / "config.json").read_text())
+    (mislabelled / "config.json").write_text(json.dumps({**config, "intermediate_size": 2 * config["intermediate_size"]}))
+    with pytest.raises(CapacityError, match=r"^train\.init_from_layer: the verifier's layer 0 mlp.gate_proj.weight is "
+                                            r"\(\d+, \d+\) in its weights, the draft's midlayer.mlp.gate_proj.weight "
+                                            r"takes"):
+        plan(0, mislabelled)
 
 
 def test_capacity_artifact_opens_with_its_verdict_and_wraps_at_the_ui_width(front):

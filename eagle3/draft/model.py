@@ -63,6 +63,7 @@ from eagle3.support.verifier import (
     layer_tensor_names,
     load_verifier_head,
     read_layer,
+    tensor_shapes,
     weight_map,
 )
 
@@ -291,7 +292,8 @@ def check_init_layer(config: DraftConfig, verifier_path: str | Path, layer: int,
     Refused with a DraftConfigError naming ``where``: a draft kind other than llama; a layer the verifier lacks; a
     verifier layer that is not a plain Llama layer (any tensor besides LAYER_INIT's: MLA attention, MoE experts,
     biases, q/k norms, Gemma's extra norms, FP8 scales) or whose MLP is not silu; draft widths or rope_theta other
-    than the verifier's. (A verifier's rope_scaling is not the draft's concern here: a llama draft computes default
+    than the verifier's; a layer tensor whose shape in the weights' headers is not what the draft's parameter takes
+    (a config.json that does not match its weights). (A verifier's rope_scaling is not the draft's concern here: a llama draft computes default
     RoPE either way.)"""
     if config.kind != "llama":
         raise DraftConfigError(f"{where}: starting from a verifier layer is implemented for the llama draft kind, "
@@ -317,15 +319,26 @@ def check_init_layer(config: DraftConfig, verifier_path: str | Path, layer: int,
                                    f"train.draft's widths and rope_theta unset")
         wmap = weight_map(verifier_path)
         # old Llama checkpoints store the RoPE frequencies per layer: not a weight
-        tails = {t for t in layer_tensor_names(verifier_path, layer, wmap) if not t.endswith("rotary_emb.inv_freq")}
+        names = {t: n for t, n in layer_tensor_names(verifier_path, layer, wmap).items()
+                 if not t.endswith("rotary_emb.inv_freq")}
+        extra, missing = sorted(set(names) - set(LAYER_INIT.values())), sorted(set(LAYER_INIT.values()) - set(names))
+        if extra or missing:
+            has = f"it also has {', '.join(extra[:6])}{' ...' if len(extra) > 6 else ''}" if extra else ""
+            lacks = f"it lacks {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}" if missing else ""
+            raise DraftConfigError(f"{where}: the verifier's layer {layer} is not a plain Llama layer the draft can "
+                                   f"start from ({'; '.join(x for x in (has, lacks) if x)})")
+        shapes = tensor_shapes(verifier_path, list(names.values()), wmap)  # headers only
     except VerifierError as e:
         raise DraftConfigError(f"{where}: {e}") from None
-    extra, missing = sorted(tails - set(LAYER_INIT.values())), sorted(set(LAYER_INIT.values()) - tails)
-    if extra or missing:
-        has = f"it also has {', '.join(extra[:6])}{' ...' if len(extra) > 6 else ''}" if extra else ""
-        lacks = f"it lacks {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}" if missing else ""
-        raise DraftConfigError(f"{where}: the verifier's layer {layer} is not a plain Llama layer the draft can start "
-                               f"from ({'; '.join(x for x in (has, lacks) if x)})")
+    with torch.device("meta"):  # the draft's parameter shapes, no memory
+        params = dict(Eagle3Draft(config).named_parameters())
+    for name, tail in LAYER_INIT.items():
+        rows, *cols = params[name].shape
+        takes = (rows, cols[0] - config.hidden_size) if name in HALF_INPUT else (rows, *cols)
+        if shapes[names[tail]] != takes:
+            raise DraftConfigError(f"{where}: the verifier's layer {layer} {tail} is {shapes[names[tail]]} in its "
+                                   f"weights, the draft's {name} takes {takes} (its config.json's widths do not match "
+                                   f"its weights?)")
     return layer, wmap
 
 
@@ -390,13 +403,9 @@ class Eagle3Draft(nn.Module):
             raise DraftConfigError(f"{where}: {e}") from None
         params = dict(self.named_parameters())
         hidden = self.config.hidden_size
-        with torch.no_grad():
+        with torch.no_grad():  # shapes checked by check_init_layer
             for name, tail in LAYER_INIT.items():
                 target = params[name][:, hidden:] if name in HALF_INPUT else params[name]
-                if tuple(tensors[tail].shape) != tuple(target.shape):
-                    raise DraftConfigError(f"{where}: the verifier's layer {layer} {tail} is "
-                                           f"{tuple(tensors[tail].shape)}, the draft's {name} takes "
-                                           f"{tuple(target.shape)}")
                 target.copy_(tensors[tail].to(target.dtype))
 
     # --- serving computation ------------------------------------------------------------------------------------

@@ -235,17 +235,35 @@ def find_tensor_names(path: str | Path, wmap: dict[str, str] | None = None) -> d
     }
 
 
-def read_tensor(path: str | Path, name: str, rows: torch.Tensor | None = None,
-                wmap: dict[str, str] | None = None) -> torch.Tensor:
-    """Read one tensor (or only the given strictly increasing ``rows`` of it) from the shard that holds it.
-    ``wmap`` (from ``weight_map``) saves re-reading the index when several tensors are read."""
-    path = Path(path)
-    wmap = wmap if wmap is not None else weight_map(path)
+def _shard(path: Path, name: str, wmap: dict[str, str]) -> Path:
+    """The shard file of ``path`` that holds tensor ``name``; VerifierError naming it where there is none."""
     if name not in wmap:
         raise VerifierError(f"tensor {name} is not in the weights of {path}")
     shard = path / wmap[name]
     if not shard.is_file():
         raise VerifierError(f"shard {shard} (holding {name}) is missing: an incomplete download?")
+    return shard
+
+
+def tensor_shapes(path: str | Path, names: list[str], wmap: dict[str, str] | None = None) -> dict[str, tuple[int, ...]]:
+    """name -> shape of the tensors ``names``, from their shards' safetensors headers (no tensor data is read)."""
+    path = Path(path)
+    wmap = wmap if wmap is not None else weight_map(path)
+    by_shard: dict[Path, list[str]] = {}
+    for name in names:
+        by_shard.setdefault(_shard(path, name, wmap), []).append(name)
+    shapes = {}
+    for shard, group in by_shard.items():
+        with safe_open(str(shard), framework="pt") as f:
+            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in group})
+    return shapes
+
+
+def read_tensor(path: str | Path, name: str, rows: torch.Tensor | None = None,
+                wmap: dict[str, str] | None = None) -> torch.Tensor:
+    """Read one tensor (or only the given strictly increasing ``rows`` of it) from the shard that holds it.
+    ``wmap`` (from ``weight_map``) saves re-reading the index when several tensors are read."""
+    shard = _shard(Path(path), name, wmap if wmap is not None else weight_map(path))
     if rows is not None:
         rows = rows.to(torch.long)
         if len(rows) == 0 or bool((rows[1:] <= rows[:-1]).any()) or int(rows[0]) < 0:
