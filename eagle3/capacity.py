@@ -42,7 +42,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from eagle3.chat.dataset import PreparedDataset
-from eagle3.draft.config import DraftArchitecture, serving_pair_problem
+from eagle3.draft.config import DraftConfigError, serving_pair_problem
 from eagle3.extract.config import ExtractConfig
 from eagle3.prepare import PreparedData
 from eagle3.regenerate.config import RegenerateConfig
@@ -54,6 +54,7 @@ from eagle3.support.io import atomic_write_json, sha256_file, sha256_json
 from eagle3.support.progress import fmt_duration
 from eagle3.support.settings import SETTINGS_MODEL
 from eagle3.support.verifier import VerifierIdentity, VerifierSpec
+from eagle3.train.estimate import TrainingShape, plan_training_time
 from eagle3.validate.baseline import reuse_problem
 from eagle3.validate.config import ValidateConfig
 
@@ -417,66 +418,6 @@ def loads_summary(loads: list[VerifierLoad], load_s: float, problem: str | None,
         line += ("; validation's verifier-alone baseline comes from the regeneration's engine session" if problem
                  is None else f"; validation starts its own verifier-alone engine ({problem})")
     return line
-class TrainingShape(BaseModel):
-    """What the training time estimate reads of the train and vocab settings (the capacity stage is keyed on these,
-    not on the whole training config: a new learning rate does not replan)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    epochs: int = Field(gt=0, description="Passes over the training split.")
-    val_ratio: float = Field(ge=0, lt=1, description="Fraction of samples held out for validation.")
-    batch_size: int = Field(gt=0, description="Packed sequences per optimizer step, all processes together.")
-    nodes: int = Field(gt=0, description="Hosts training together.")
-    nproc: int = Field(gt=0, description="Training processes (GPUs) per host.")
-    draft_vocab_size: int = Field(gt=0, description="Draft vocabulary, tokens (configured; size_to_data: at most).")
-    draft: DraftArchitecture = Field(description="The draft's architecture options (its parameter count).")
-    init_from_layer: int | None = Field(None, description="train.init_from_layer: the verifier decoder layer the "
-                                        "draft starts from (vLLM's id k; -1 = the last), checked at plan time.")
-
-
-class TrainingTime(BaseModel):
-    """Seconds (estimates) of one training run; see the module docstring."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    gpus: int = Field(description="nodes x nproc")
-    nodes: int = Field(description="hosts training together")
-    train_samples: int = Field(description="samples of the training split")
-    trainable_parameters: int = Field(description="the draft's, count")
-    compute_seconds: float = Field(description="epochs x train_samples x training_gpu_seconds_per_sample / gpus")
-    optimizer_steps: int = Field(description="at least epochs x ceil(train_samples / batch_size)")
-    allreduce_bytes_per_step: int = Field(description="bytes through each host's links per step (0 on one host)")
-    network_seconds: float = Field(description="optimizer_steps x allreduce_bytes_per_step / "
-                                   "internode_bytes_per_second")
-    seconds: float = Field(description="compute_seconds + network_seconds")
-
-    def summary(self, epochs: int) -> str:
-        where = f"{self.nodes} hosts x {self.gpus // self.nodes} GPUs" if self.nodes > 1 else f"{self.gpus} GPU(s)"
-        net = (f" + gradient all-reduce between hosts {fmt_duration(self.network_seconds)} ({self.optimizer_steps:,} "
-               f"steps x {self.allreduce_bytes_per_step / 1e9:,.2f} GB per host)" if self.nodes > 1 else "")
-        return (f"  training: {fmt_duration(self.seconds)} (h:mm:ss) on {where} = compute "
-                f"{fmt_duration(self.compute_seconds)} ({epochs} epochs x {self.train_samples:,} samples){net}")
-
-
-def plan_training_time(shape: TrainingShape, spec: VerifierSpec, aux_layer_ids: list[int], num_samples: int,
-                       cfg: CapacityConfig) -> TrainingTime:
-    """The training time estimate of ``shape`` over ``num_samples`` samples (see the module docstring)."""
-    from eagle3.draft.config import DraftConfig
-    from eagle3.train.memory import parameter_counts
-
-    trainable = sum(parameter_counts(DraftConfig.build(spec, shape.draft_vocab_size, aux_layer_ids,
-                                                       shape.draft))[0].values())
-    gpus = shape.nodes * shape.nproc
-    samples = num_samples - round(num_samples * shape.val_ratio)
-    compute = shape.epochs * samples * cfg.training_gpu_seconds_per_sample / gpus
-    steps = shape.epochs * math.ceil(samples / shape.batch_size)
-    per_step = 0 if shape.nodes == 1 else math.ceil(2 * (shape.nodes - 1) / shape.nodes * 4 * trainable)
-    network = steps * per_step / cfg.internode_bytes_per_second
-    return TrainingTime(gpus=gpus, nodes=shape.nodes, train_samples=samples, trainable_parameters=trainable,
-                        compute_seconds=compute, optimizer_steps=steps, allreduce_bytes_per_step=per_step,
-                        network_seconds=network, seconds=compute + network)
-
-
 class CapacityPlan(Artifact):
     """The capacity stage's output: the store's resolved layout (what extraction will write) and its plan."""
 
@@ -528,20 +469,6 @@ def regenerated_lengths(prompt: np.ndarray, turns: np.ndarray, max_seq_len: int,
     return lengths, int((lengths - np.minimum(prompt, lengths)).sum())
 
 
-def _check_init_layer(shape: TrainingShape, spec: VerifierSpec, aux_layer_ids: list[int]) -> None:
-    """CapacityError where the draft could not start from the verifier layer ``shape.init_from_layer``
-    (``eagle3.draft.model.check_init_layer``: config.json and weight names, no tensor read), so that a run is refused
-    before its hours of regeneration and extraction instead of when training starts."""
-    from eagle3.draft.config import DraftConfig, DraftConfigError
-    from eagle3.draft.model import check_init_layer
-
-    config = DraftConfig.build(spec, shape.draft_vocab_size, aux_layer_ids, shape.draft)  # as plan_training_time
-    try:
-        check_init_layer(config, spec.path, shape.init_from_layer)
-    except DraftConfigError as e:
-        raise CapacityError(str(e)) from None
-
-
 def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: VerifierIdentity, prepared: PreparedData,
                   dest: str | os.PathLike, out_dir: str | Path,
                   regenerate: RegenerateConfig | None = None, training: TrainingShape | None = None,
@@ -563,8 +490,6 @@ def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: Verifie
                                                                   device_type("auto"))):
         raise CapacityError(problem)
     aux = spec.resolve_aux_layer_ids(extract.aux_layer_ids)
-    if training is not None and training.init_from_layer is not None:
-        _check_init_layer(training, spec, aux)
     compute, store = extract.resolved_dtypes(spec)
     lengths: str | np.ndarray = prepared.dataset_path
     regen_s = regen_tokens = None
@@ -586,7 +511,10 @@ def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: Verifie
             log.info("[capacity] %s", line)
     train_time = None
     if training is not None:
-        train_time = plan_training_time(training, spec, aux, plan.num_samples, cfg)
+        try:
+            train_time = plan_training_time(training, spec, aux, plan.num_samples, cfg)
+        except DraftConfigError as e:  # train.init_from_layer names a layer the draft could not start from
+            raise CapacityError(str(e)) from None
         total_s += train_time.seconds
         extra = [train_time.summary(training.epochs), f"  total estimate with training: {fmt_duration(total_s)}"]
         summary += "\n" + "\n".join(extra)
