@@ -226,7 +226,8 @@ def _last(text: str, n: int = 40) -> str:
 def _group_members(pgid: int) -> list[psutil.Process]:
     members = []
     for p in psutil.process_iter(["pid"]):
-        with contextlib.suppress(psutil.Error):
+        # a process listed a moment ago may be gone: os.getpgid raises ProcessLookupError (not a psutil.Error)
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
             if os.getpgid(p.pid) == pgid:
                 members.append(p)
     return members
