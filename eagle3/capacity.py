@@ -513,7 +513,7 @@ def plan_capacity(cfg: CapacityConfig, extract: ExtractConfig, verifier: Verifie
     if training is not None:
         try:
             train_time = plan_training_time(training, spec, aux, plan.num_samples, cfg)
-        except DraftConfigError as e:  # train.init_from_layer names a layer the draft could not start from
+        except DraftConfigError as e:  # train.draft, or a verifier layer train.init_from_layer cannot start from
             raise CapacityError(str(e)) from None
         total_s += train_time.seconds
         extra = [train_time.summary(training.epochs), f"  total estimate with training: {fmt_duration(total_s)}"]

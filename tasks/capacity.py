@@ -23,7 +23,7 @@ def plan_capacity_task(cfg: CapacityConfig, extract: ExtractConfig, verifier: Ve
 
     Raises CapacityError when the store would not fit at ``run_dir`` with the margin (cfg.on_insufficient="fail"),
     when vLLM here cannot serve the ``draft`` kind beside the verifier, or when the draft could not start from the
-    verifier layer ``training.init_from_layer`` names (checked from config.json and weight names).
+    verifier layer ``training.init_from_layer`` names (checked from config.json, weight names and header shapes).
     """
     out_dir = stage_dir(run_dir)
     plan = plan_capacity(cfg, extract, verifier, prepared, run_dir, out_dir, regenerate, training, validate)

@@ -286,15 +286,16 @@ HALF_INPUT = tuple(f"midlayer.self_attn.{x}_proj.weight" for x in "qkv")
 def check_init_layer(config: DraftConfig, verifier_path: str | Path, layer: int,
                      where: str = "train.init_from_layer") -> tuple[int, dict[str, str]]:
     """Whether a draft of ``config`` can start as the verifier's decoder layer ``layer`` (``init_from_layer``),
-    from the verifier's config.json and weight names only (no tensor is read: the capacity plan asks this before
-    anything is regenerated or extracted). Returns (the layer as a non-negative id, the verifier's weight map).
+    from the verifier's config.json, weight names and safetensors header shapes only (no tensor data is read: the
+    capacity plan asks this before anything is regenerated or extracted). Returns (the layer as a non-negative id,
+    the verifier's weight map).
 
     Refused with a DraftConfigError naming ``where``: a draft kind other than llama; a layer the verifier lacks; a
     verifier layer that is not a plain Llama layer (any tensor besides LAYER_INIT's: MLA attention, MoE experts,
     biases, q/k norms, Gemma's extra norms, FP8 scales) or whose MLP is not silu; draft widths or rope_theta other
     than the verifier's; a layer tensor whose shape in the weights' headers is not what the draft's parameter takes
-    (a config.json that does not match its weights). (A verifier's rope_scaling is not the draft's concern here: a llama draft computes default
-    RoPE either way.)"""
+    (a config.json that does not match its weights). (A verifier's rope_scaling is not the draft's concern here: a
+    llama draft computes default RoPE either way.)"""
     if config.kind != "llama":
         raise DraftConfigError(f"{where}: starting from a verifier layer is implemented for the llama draft kind, "
                                f"not {config.kind!r}")
