@@ -1,11 +1,13 @@
 """Greedy generation with SmolLM2 in vLLM on CPU, as the regeneration stage would run it (sizing, not a target).
 
-    .venv-vllm/bin/python bench/smollm2_vllm_generate.py [--cases 16x128 64x256] [--repetition-penalty 1.0]
+    .venv-vllm/bin/python bench/smollm2_vllm_generate.py [--cases 16x128 64x256] [--repetition-penalty 1.0] [--bare]
 
 Each case NxM generates greedy answers to the first N bundled training prompts (first user turn, chat template)
 with max_tokens M, in one engine. Printed per case: wall time, output tok/s, mean generated length, how many answers
 hit max_tokens, how many of those end in an exact token loop (the last 128 tokens repeat with a period < 64), and
-the mean length of the original answers. Needs models/smollm2-135m-instruct (scripts/setup_envs.sh).
+the mean length of the original answers. The engine runs in the pipeline's CPU environment
+(eagle3.engine.settings.cpu_engine_env: every core computes); ``--bare`` leaves vLLM's own thread rules (one core
+kept for its scheduler process). Needs models/smollm2-135m-instruct (scripts/setup_envs.sh).
 """
 
 from __future__ import annotations
@@ -30,11 +32,8 @@ def loops(ids: list[int], tail: int = LOOP_TAIL_TOKENS) -> bool:
 
 
 def main() -> None:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
     from eagle3.chat.encoder import ChatSettings
+    from eagle3.engine.settings import cpu_engine_env
     from eagle3.validate.vllm_check import load_tokenizer
     from tools.gguf_convert import SMOLLM2_DIR
 
@@ -42,7 +41,15 @@ def main() -> None:
     ap.add_argument("--cases", nargs="+", default=["16x128", "16x256", "64x128", "64x256"],
                     help="NxM: N prompts, max_tokens M")
     ap.add_argument("--repetition-penalty", type=float, default=1.0)
+    ap.add_argument("--bare", action="store_true", help="vLLM's own thread rules, not the pipeline's")
     ns = ap.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
+    if not ns.bare:  # the pipeline's CPU engine environment (eagle3.engine.job.run_engine_job): every core computes
+        for k, v in cpu_engine_env().items():
+            os.environ.setdefault(k, v)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
     cases = [tuple(map(int, c.split("x"))) for c in ns.cases]
     n_max = max(n for n, _ in cases)
     tok = load_tokenizer(SMOLLM2_DIR)

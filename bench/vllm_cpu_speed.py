@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from eagle3.chat.encoder import ChatSettings
-from eagle3.engine.settings import EngineSettings
+from eagle3.engine.settings import EngineSettings, cpu_engine_env
 from eagle3.support.paths import vllm_python, vllm_subprocess_env
 from eagle3.support.subproc import run_subprocess
 from tools.gguf_convert import SMOLLM2_DIR
@@ -68,7 +68,11 @@ VARIANTS: dict[str, tuple[dict[str, str], bool]] = {
     "nobind": ({"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, False),
     "unpadded-drafter": ({}, True),                          # + speculative_config disable_padded_drafter_batch
     "block-size-32": ({}, True),                             # + engine block_size 32 (the CPU default is 128)
-    "recommended": ({}, True),                               # the pipeline's CPU defaults (vllm_subprocess_env)
+    "recommended": ({}, True),                               # the pipeline's CPU defaults (run_engine_job's)
+    # in process, vLLM cuts torch to 1 thread unless OMP_NUM_THREADS is set: every core computes
+    "threads-all": ({"OMP_NUM_THREADS": str(os.cpu_count())}, True),
+    # own process: vLLM keeps one core for its scheduler process (VLLM_CPU_NUM_OF_RESERVED_CPU); here none
+    "mp-reserve0": ({"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}, False),
 }
 
 
@@ -85,6 +89,8 @@ def variant_env(name: str, python: str) -> dict[str, str]:
     if name != "recommended":  # the bare environment: none of the pipeline's CPU defaults
         for k in CPU_DEFAULTS:
             base.pop(k, None)
+    else:  # what eagle3.engine.job.run_engine_job adds on a CPU host (the user's own variables win)
+        base.update({k: v for k, v in cpu_engine_env().items() if k not in os.environ})
     env = {**base, "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
     for k, v in changes.items():
         env[k] = _preload(python, *v.split(":")) if k == "LD_PRELOAD" else v

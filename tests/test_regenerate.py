@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import psutil
 import pytest
 from helpers import BUNDLED_DATA, REPO
 
+from eagle3.engine.settings import SMALL_CPU_HOST_CORES, cpu_engine_env
 from eagle3.prepare import PrepareConfig, prepare_data
 from eagle3.regenerate.config import RegenerateConfig, request_seed
 from eagle3.regenerate.stage import JOURNAL, RegenerateError, _finish, read_journal, regenerate
@@ -108,6 +110,11 @@ def test_several_answers_need_a_temperature_and_keep_the_first_answers_seeds(tmp
                                                                            (4, 1): "template_error"}
 
 
+def test_cpu_engine_env_reserves_no_core_on_a_small_host_only():
+    assert cpu_engine_env(2) == {"OMP_NUM_THREADS": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert cpu_engine_env(SMALL_CPU_HOST_CORES + 1) == {"OMP_NUM_THREADS": str(SMALL_CPU_HOST_CORES + 1)}  # vLLM's
+
+
 @pytest.mark.slow
 def test_several_sampled_answers_per_conversation_each_its_own_conversation(bundled_verifier, tmp_path):
     src = _conversations(tmp_path / "chats.jsonl", 3)  # 3 one-turn chats + 2 two-turn chats
@@ -143,6 +150,12 @@ def test_regenerates_turn_by_turn_names_dropped_rows_and_survives_an_injected_oo
     assert r.rows_dropped_by_reason == {"prompt_too_long": 1}
     assert stats["dropped"]["prompt_too_long"]["first"][0]["index"] == long_row
     assert r.rows_written == 7 and r.turns_generated == 5 + 2 * 2 and r.tokens_generated > 0
+    # the engine computed on every core (eagle3.engine.settings.cpu_engine_env), as vLLM's worker binding states it:
+    # on a small host no core is kept for vLLM's scheduler process (its default keeps one: half of 2 cores idle)
+    reserved = re.findall(r"reserved_cpus=\[([\d, ]*)\]", Path(r.vllm_log).read_text())
+    assert reserved, "vLLM's log states no CPU binding"
+    cores = len(os.sched_getaffinity(0))
+    assert (reserved[-1] == "") == (cores <= SMALL_CPU_HOST_CORES), (cores, reserved)
     original = [json.loads(x)["messages"] for x in src.read_text().splitlines()]
     out = [json.loads(x) for x in Path(r.conversations_path).read_text().splitlines()]
     assert [o["source_index"] for o in out] == list(range(7))

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.engine.exits import EXIT_INCOMPLETE, EXIT_OOM, EXIT_SELFCHECK
-from eagle3.engine.settings import EngineSettings
+from eagle3.engine.settings import EngineSettings, cpu_engine_env
 from eagle3.support.gpu import is_oom_text
 from eagle3.support.io import atomic_write_json
 from eagle3.support.paths import REPO_ROOT, vllm_python, vllm_subprocess_env
@@ -85,7 +85,12 @@ def run_engine_job(engine: EngineSettings, module: str, job: dict[str, Any], job
     python = vllm_python(engine.vllm_python)
     verifier = job.get("verifier")  # a job without a local verifier folder gets no CPU MLA backend pin
     mla = bool(verifier) and (Path(verifier) / "config.json").is_file() and VerifierSpec.from_path(verifier).mla
-    job_file = atomic_write_json(job_file, {**job, "engine": engine.llm_kwargs(on_gpu(), mla=mla)})
+    gpu = on_gpu()
+    job_file = atomic_write_json(job_file, {**job, "engine": engine.llm_kwargs(gpu, mla=mla)})
+    if not gpu:  # every core computes (cpu_engine_env); the user's own environment and the stage's env win
+        defaults = {k: v for k, v in cpu_engine_env().items() if k not in os.environ}
+        env = {**defaults, **(env or {})}
+        log.info("vLLM on this CPU: %s", ", ".join(f"{k}={v}" for k, v in env.items()))
     log_file = Path(log_file)
     limit = engine.timeout_s if timeout_s is None else timeout_s
     log.info("vLLM engine job: %s -m %s %s (tensor_parallel_size %d%s); its whole output: %s", python, module,

@@ -9,6 +9,7 @@ is the features' precision and regeneration inherits it; validation's ``dtype`` 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from pydantic import BaseModel, Field, create_model
@@ -25,6 +26,25 @@ CPU_MEMORY_FRACTION = 0.25
 # validation compute the same features on any machine (every CPU figure of the kimi-mini preset was taken with it).
 # Validation hands the same pin to the MLA draft (eagle3.validate.vllm_check: vLLM auto-selects a draft's backend).
 CPU_MLA_BACKEND = "CPU_MLA"
+# vLLM's CPU build keeps one core per worker for its scheduler process (VLLM_CPU_NUM_OF_RESERVED_CPU, unset: the
+# worker count) and binds the worker's OpenMP threads to the rest: on a 2-core host the model computed on 1 core
+# (regeneration's batches: 163 against 264 output tok/s with no core reserved, bench/smollm2_vllm_generate.py
+# --cases 128x96, AVX2 EPYC). On hosts up to this many cores none is reserved; a larger host keeps vLLM's rule.
+SMALL_CPU_HOST_CORES = 4
+
+
+def cpu_engine_env(cores: int | None = None) -> dict[str, str]:
+    """Environment defaults for a vLLM engine on a CPU host (``cores``: the cores this process may use), so that the
+    model computes on every core: an engine core in its own process binds its worker to all but the reserved cores
+    (none reserved on a host of at most SMALL_CPU_HOST_CORES cores); an engine core in the driver's process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0) has no binding and vLLM drops torch to 1 thread unless OMP_NUM_THREADS is
+    set, so it is set to ``cores``. A variable already in the environment is the user's and wins (run_engine_job);
+    on GPUs none of these apply."""
+    n = cores or len(os.sched_getaffinity(0))
+    env = {"OMP_NUM_THREADS": str(n)}
+    if n <= SMALL_CPU_HOST_CORES:
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    return env
 
 
 class EngineSettings(BaseModel):
