@@ -293,6 +293,7 @@ def test_regeneration_engine_session_serves_as_the_baseline_one_engine_start_les
     from eagle3.regenerate.stage import regenerate
     from eagle3.support.dtypes import describe_compute_dtype
     from eagle3.support.verifier import describe_verifier
+    from eagle3.validate.baseline import request_for_validation
 
     src = tmp_path / "chats.jsonl"
     src.write_text("".join(TRAIN.read_text().splitlines(keepends=True)[:4]))
@@ -305,6 +306,13 @@ def test_regeneration_engine_session_serves_as_the_baseline_one_engine_start_les
                          dtype=dtype, speed_repeats=1, speed_concurrency=[1], engine={"timeout_s": 900})
     r = regenerate(regen, prepared, prepare_cfg, identity, tmp_path / "regen", validation=cfg)
     assert len(list(Path(r.baselines_dir).glob("*.json"))) == 1
+    # the session that timed the baseline ran its engine core where validation's run (in the driver's process: no
+    # EngineCore process in vLLM's log); validation's engines elsewhere ask for another baseline
+    assert "(EngineCore pid=" not in Path(r.vllm_log).read_text()
+    prompts = ChatSettings(tokenizer_path=str(bundled_verifier)).held_out_prompt_ids(EVAL, 3)
+    placed = {request_for_validation(cfg.model_copy(update={"engine_in_process": p}), prompts, bundled_verifier).key()
+              for p in (True, False)}
+    assert len(placed) == 2
 
     spec = VerifierSpec.from_path(bundled_verifier)
     draft = _save_draft(bundled_verifier, tmp_path / "draft", torch.arange(0, spec.vocab_size, 4))

@@ -69,13 +69,26 @@ class EngineJobResult:
         return self
 
 
+def engine_core_in_process(wanted: bool, verifier_path: str | os.PathLike) -> bool:
+    """Whether vLLM's engine core runs in the driver's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0): ``wanted``,
+    unless the verifier is a nested multimodal one (Kimi-K2.5): its processor imports numba, and vLLM 0.32's CPU
+    worker then fails at start while rebinding its kernels (AttributeError: '_lib_fn_wrapper' object has no
+    attribute 'get', from llvmlite's library proxy); in its own engine process the worker starts before numba.
+    The placement changes the speed: on 2 cores an engine core in its own process decoded one request at a time at
+    21.4 against 24.6 tok/s (bench/vllm_cpu_speed.py, mp-reserve0 against default), so engines timed against each
+    other run in the same placement (eagle3.validate.baseline)."""
+    return wanted and not VerifierSpec.from_path(verifier_path).nested
+
+
 def run_engine_job(engine: EngineSettings, module: str, job: dict[str, Any], job_file: str | os.PathLike, *,
                    log_file: str | os.PathLike, lock_fds: Sequence[int] = (), env: dict[str, str] | None = None,
-                   follow: Callable[[], None] | None = None, follow_every_s: float = 0.5,
-                   timeout_s: float | None = None) -> EngineJobResult:
+                   in_process: bool = False, follow: Callable[[], None] | None = None,
+                   follow_every_s: float = 0.5, timeout_s: float | None = None) -> EngineJobResult:
     """Run ``python -m module job_file`` in the vLLM interpreter of ``engine`` with ``job`` (+ ``"engine"``: the
     ``vllm.LLM`` arguments of ``engine`` on this host) written to ``job_file``; ``follow()`` is called every
     ``follow_every_s`` s while it runs and once after. ``timeout_s`` None = ``engine.timeout_s`` (0: none).
+    ``in_process``: vLLM's engine core in the driver's process (decide with engine_core_in_process), else in its
+    own (vLLM's default).
 
     Raises FileNotFoundError when there is no vLLM interpreter (before anything starts); every other ending is in
     the result (``ok``, ``oom``, ``timed_out``, ``returncode``).
@@ -87,10 +100,11 @@ def run_engine_job(engine: EngineSettings, module: str, job: dict[str, Any], job
     mla = bool(verifier) and (Path(verifier) / "config.json").is_file() and VerifierSpec.from_path(verifier).mla
     gpu = on_gpu()
     job_file = atomic_write_json(job_file, {**job, "engine": engine.llm_kwargs(gpu, mla=mla)})
+    env = {**(env or {}), **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process else {})}
     if not gpu:  # every core computes (cpu_engine_env); the user's own environment and the stage's env win
-        defaults = {k: v for k, v in cpu_engine_env().items() if k not in os.environ}
-        env = {**defaults, **(env or {})}
-        log.info("vLLM on this CPU: %s", ", ".join(f"{k}={v}" for k, v in env.items()))
+        env = {**{k: v for k, v in cpu_engine_env().items() if k not in os.environ}, **env}
+        log.info("vLLM on this CPU: %s; engine core in %s", ", ".join(f"{k}={v}" for k, v in env.items()),
+                 "the driver's process" if in_process else "its own process")
     log_file = Path(log_file)
     limit = engine.timeout_s if timeout_s is None else timeout_s
     log.info("vLLM engine job: %s -m %s %s (tensor_parallel_size %d%s); its whole output: %s", python, module,
@@ -103,5 +117,5 @@ def run_engine_job(engine: EngineSettings, module: str, job: dict[str, Any], job
                            result)
 
 
-__all__ = ["EXIT_INCOMPLETE", "EXIT_OOM", "EXIT_SELFCHECK", "EngineJobResult", "SubprocessFailed", "on_gpu",
-           "run_engine_job"]
+__all__ = ["EXIT_INCOMPLETE", "EXIT_OOM", "EXIT_SELFCHECK", "EngineJobResult", "SubprocessFailed",
+           "engine_core_in_process", "on_gpu", "run_engine_job"]

@@ -103,13 +103,13 @@ class RegeneratedData(Artifact):
 
 
 def _baseline_job(cfg: RegenerateConfig, validation: ValidateConfig | None, prepare_cfg: PrepareConfig, dtype: str,
-                  out_dir: Path) -> dict[str, Any] | None:
+                  out_dir: Path, verifier_path: str) -> dict[str, Any] | None:
     """The driver's baseline job for validation (request + output file), or None with the reason logged."""
     if validation is None:
         return None
     prompts = prepare_cfg.chat_settings().held_out_prompt_ids(resolve_path(validation.prompts_path),
                                                               validation.num_prompts)
-    request = request_for_validation(validation, prompts)
+    request = request_for_validation(validation, prompts, verifier_path)
     problem = reuse_problem(validation, cfg.enabled, dtype, cfg.engine, cfg.max_model_len, request)
     if problem:
         log.info("[regenerate] validation will start its own verifier-alone engine: %s", problem)
@@ -192,7 +192,7 @@ def regenerate(cfg: RegenerateConfig, prepared: PreparedData, prepare_cfg: Prepa
                      if cfg.answers_per_conversation > 1 else "", cfg.temperature, cfg.top_p, cfg.max_new_tokens,
                      cfg.batch_rows, dtype)
             if todo:
-                baseline = _baseline_job(cfg, validation, prepare_cfg, dtype, out_dir)
+                baseline = _baseline_job(cfg, validation, prepare_cfg, dtype, out_dir, verifier.path)
                 stats.update(_run_driver(cfg, todo, len(rows), prepare_cfg, verifier, dtype, out_dir, fds,
                                          on_progress, inject_oom_batches, baseline))
     return _finish(cfg, rows, read_journal(journal), resumed, stats, out_dir, dtype)
@@ -226,8 +226,12 @@ def _run_driver(cfg: RegenerateConfig, todo: list[dict], total: int, prepare_cfg
             progress.update(n - seen[0], extra="batch written")
             seen[0] = n
 
+    # an engine session that also times validation's baseline runs where validation's engines run (its request's
+    # placement); otherwise vLLM's default, the engine core in its own process
+    in_process = bool(baseline and baseline["request"]["engine_in_process"])
     result = run_engine_job(cfg.engine, "eagle3.regenerate.vllm_worker", job, out_dir / "job.json",
-                            log_file=out_dir / VLLM_LOG, lock_fds=lock_fds, follow=follow, follow_every_s=1.0)
+                            log_file=out_dir / VLLM_LOG, lock_fds=lock_fds, in_process=in_process, follow=follow,
+                            follow_every_s=1.0)
     if result.oom:
         raise OutOfMemoryAfterRetries(f"regeneration ran out of memory at the batch floor (min_batch_rows "
                                       f"{cfg.min_batch_rows}); last output:\n{result.tail(60)}")

@@ -4,7 +4,8 @@ Validation needs the verifier WITHOUT a draft twice over: its greedy outputs on 
 decoding at temperature 0 must give the same token ids) and its decoding speed (the speedup's denominator). On its
 own that is an engine start of its own (a verifier load: ~22 minutes for Kimi-K2.5). The regeneration stage already
 has that engine loaded, before training: when the two engines are the same (same dtype as vLLM gets it, same
-tensor parallel size and eager mode: the pipeline's engine settings), the regeneration driver also generates the
+tensor parallel size and eager mode: the pipeline's engine settings; the engine core in the same process placement,
+regeneration's engine following validation's), the regeneration driver also generates the
 held-out prompts and times their decoding once its conversations are done, and writes the result to
 ``<regenerate folder>/baselines/<key>.json``; validation finds it by the same key and starts only the engines with
 a draft. Any difference (regeneration off or cached from a run without this request, another dtype, other prompts
@@ -23,6 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from eagle3.engine.job import engine_core_in_process
 from eagle3.engine.settings import EngineSettings
 from eagle3.support.io import sha256_json
 
@@ -43,19 +45,24 @@ class BaselineRequest(BaseModel):
     speed_repeats: int = Field(description="Timed decodes per level.")
     tensor_parallel_size: int
     enforce_eager: bool
+    engine_in_process: bool = Field(description="vLLM's engine core in the driver's process "
+                                    "(eagle3.engine.job.engine_core_in_process): it changes the speed, so the "
+                                    "baseline engine runs where validation's engines run.")
 
     def key(self) -> str:
         return sha256_json(self.model_dump())[:16]
 
 
-def request_for_validation(cfg, prompts: list[list[int]]) -> BaselineRequest:
-    """The request validation's settings (``eagle3.validate.config.ValidateConfig``) make for these prompts."""
+def request_for_validation(cfg, prompts: list[list[int]], verifier_path: str | os.PathLike) -> BaselineRequest:
+    """The request validation's settings (``eagle3.validate.config.ValidateConfig``) make for these prompts and this
+    verifier."""
     speed = cfg.speed_repeats > 0
     return BaselineRequest(prompt_token_ids=prompts, max_new_tokens=cfg.max_new_tokens, dtype=cfg.dtype,
                            speed_levels=list(cfg.speed_concurrency) if speed else [],
                            speed_repeats=cfg.speed_repeats if speed else 0,
                            tensor_parallel_size=cfg.engine.tensor_parallel_size,
-                           enforce_eager=cfg.engine.enforce_eager)
+                           enforce_eager=cfg.engine.enforce_eager,
+                           engine_in_process=engine_core_in_process(cfg.engine_in_process, verifier_path))
 
 
 def reuse_problem(validate, regen_enabled: bool, regen_dtype: str, regen_engine: EngineSettings,

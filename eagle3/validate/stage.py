@@ -30,13 +30,12 @@ from pydantic import Field
 
 from eagle3.chat.encoder import ChatSettings
 from eagle3.draft.checkpoint import WEIGHTS, check_weights
-from eagle3.engine.job import run_engine_job
+from eagle3.engine.job import engine_core_in_process, run_engine_job
 from eagle3.support.artifacts import Artifact, file_problem
 from eagle3.support.gpu import DeviceGuard, cuda_device_ids, file_lock_guard
 from eagle3.support.io import sha256_file
 from eagle3.support.paths import resolve_path, vllm_python
 from eagle3.support.subproc import SubprocessFailed
-from eagle3.support.verifier import VerifierSpec
 from eagle3.train.stage import DraftCheckpoint
 from eagle3.validate.baseline import find_baseline, request_for_validation
 from eagle3.validate.config import ValidateConfig
@@ -75,13 +74,9 @@ def run_vllm_check(cfg: ValidateConfig, verifier_path: str | os.PathLike, draft_
         "schedule": cfg.engine_sessions(baseline_shared=baseline is not None).rstrip("U"),
         "baseline": baseline,  # the verifier alone, from regeneration's engine session (no engine start for it here)
     }
-    # a nested multimodal verifier (Kimi-K2.5) never runs in-process: its processor imports numba, and vLLM 0.32's
-    # CPU worker then fails at start while rebinding its kernels (AttributeError: '_lib_fn_wrapper' object has no
-    # attribute 'get', from llvmlite's library proxy); in its own engine process the worker starts before numba
-    in_process = cfg.engine_in_process and not VerifierSpec.from_path(verifier_path).nested
     run_engine_job(cfg.engine, "eagle3.validate.vllm_check", args, work_dir / "vllm_args.json",
                    log_file=work_dir / VLLM_LOG, lock_fds=lock_fds,
-                   env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process else None).check()
+                   in_process=engine_core_in_process(cfg.engine_in_process, verifier_path)).check()
     if not out.is_file():
         raise SubprocessFailed(f"the vLLM check exited cleanly but wrote no result ({out}); its whole output is in "
                                f"{work_dir / VLLM_LOG}")
@@ -227,7 +222,8 @@ def validate_draft(cfg: ValidateConfig, checkpoint: DraftCheckpoint | str | os.P
         try:
             with (guard or file_lock_guard(logger=log))(cuda_device_ids(count=cfg.engine.tensor_parallel_size)) as fds:
                 result = run_vllm_check(cfg, verifier_path, drafts, prompts, out_dir / "vllm", lock_fds=fds,
-                                        baseline=find_baseline(baselines_dir, request_for_validation(cfg, prompts)))
+                                        baseline=find_baseline(baselines_dir,
+                                                               request_for_validation(cfg, prompts, verifier_path)))
         except SubprocessFailed as e:  # a draft vLLM cannot load (or run in time) is a verdict, not a crash
             report["vllm"] = {"error": str(e)}
         else:
