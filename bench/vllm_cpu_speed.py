@@ -69,8 +69,6 @@ VARIANTS: dict[str, tuple[dict[str, str], bool]] = {
     "unpadded-drafter": ({}, True),                          # + speculative_config disable_padded_drafter_batch
     "block-size-32": ({}, True),                             # + engine block_size 32 (the CPU default is 128)
     "recommended": ({}, True),                               # the pipeline's CPU defaults (run_engine_job's)
-    # in process, vLLM cuts torch to 1 thread unless OMP_NUM_THREADS is set: every core computes
-    "threads-all": ({"OMP_NUM_THREADS": str(os.cpu_count())}, True),
     # own process: vLLM keeps one core for its scheduler process (VLLM_CPU_NUM_OF_RESERVED_CPU); here none
     "mp-reserve0": ({"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}, False),
 }

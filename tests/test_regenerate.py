@@ -20,7 +20,7 @@ import psutil
 import pytest
 from helpers import BUNDLED_DATA, REPO
 
-from eagle3.engine.settings import SMALL_CPU_HOST_CORES, cpu_engine_env
+from eagle3.engine.settings import SMALL_CPU_HOST_CORES
 from eagle3.prepare import PrepareConfig, prepare_data
 from eagle3.regenerate.config import RegenerateConfig, request_seed
 from eagle3.regenerate.stage import JOURNAL, RegenerateError, _finish, read_journal, regenerate
@@ -108,11 +108,6 @@ def test_several_answers_need_a_temperature_and_keep_the_first_answers_seeds(tmp
                        + json.dumps({"index": 4, "answer": 1, "dropped": "template_error"}) + "\n")
     assert {k: v["dropped"] for k, v in read_journal(journal).items()} == {(4, 0): "empty_response",
                                                                            (4, 1): "template_error"}
-
-
-def test_cpu_engine_env_reserves_no_core_on_a_small_host_only():
-    assert cpu_engine_env(2) == {"OMP_NUM_THREADS": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    assert cpu_engine_env(SMALL_CPU_HOST_CORES + 1) == {"OMP_NUM_THREADS": str(SMALL_CPU_HOST_CORES + 1)}  # vLLM's
 
 
 @pytest.mark.slow

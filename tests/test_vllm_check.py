@@ -308,7 +308,8 @@ def test_regeneration_engine_session_serves_as_the_baseline_one_engine_start_les
     assert len(list(Path(r.baselines_dir).glob("*.json"))) == 1
     # the session that timed the baseline ran its engine core where validation's run (in the driver's process: no
     # EngineCore process in vLLM's log); validation's engines elsewhere ask for another baseline
-    assert "(EngineCore pid=" not in Path(r.vllm_log).read_text()
+    regen_log = Path(r.vllm_log).read_text()
+    assert "(MainProcess pid=" in regen_log and "(EngineCore pid=" not in regen_log
     prompts = ChatSettings(tokenizer_path=str(bundled_verifier)).held_out_prompt_ids(EVAL, 3)
     placed = {request_for_validation(cfg.model_copy(update={"engine_in_process": p}), prompts, bundled_verifier).key()
               for p in (True, False)}

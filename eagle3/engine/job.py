@@ -69,15 +69,19 @@ class EngineJobResult:
         return self
 
 
-def engine_core_in_process(wanted: bool, verifier_path: str | os.PathLike) -> bool:
-    """Whether vLLM's engine core runs in the driver's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0): ``wanted``,
-    unless the verifier is a nested multimodal one (Kimi-K2.5): its processor imports numba, and vLLM 0.32's CPU
-    worker then fails at start while rebinding its kernels (AttributeError: '_lib_fn_wrapper' object has no
-    attribute 'get', from llvmlite's library proxy); in its own engine process the worker starts before numba.
+def engine_core_in_process(wanted: bool, verifier_path: str | os.PathLike, gpu: bool | None = None) -> bool:
+    """Whether vLLM's engine core runs in the driver's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0): ``wanted``
+    on a CPU host (``gpu`` None: this host), unless the verifier is a nested multimodal one (Kimi-K2.5): its
+    processor imports numba, and vLLM 0.32's CPU worker then fails at start while rebinding its kernels
+    (AttributeError: '_lib_fn_wrapper' object has no attribute 'get', from llvmlite's library proxy); in its own
+    engine process the worker starts before numba. On GPUs never: vLLM serves from an engine core in its own process
+    (scheduling overlaps the model's steps), and that is what a GPU host's figures should measure.
     The placement changes the speed: on 2 cores an engine core in its own process decoded one request at a time at
     21.4 against 24.6 tok/s (bench/vllm_cpu_speed.py, mp-reserve0 against default), so engines timed against each
     other run in the same placement (eagle3.validate.baseline)."""
-    return wanted and not VerifierSpec.from_path(verifier_path).nested
+    if gpu is None:
+        gpu = on_gpu()
+    return wanted and not gpu and not VerifierSpec.from_path(verifier_path).nested
 
 
 def run_engine_job(engine: EngineSettings, module: str, job: dict[str, Any], job_file: str | os.PathLike, *,
@@ -100,11 +104,12 @@ def run_engine_job(engine: EngineSettings, module: str, job: dict[str, Any], job
     mla = bool(verifier) and (Path(verifier) / "config.json").is_file() and VerifierSpec.from_path(verifier).mla
     gpu = on_gpu()
     job_file = atomic_write_json(job_file, {**job, "engine": engine.llm_kwargs(gpu, mla=mla)})
+    # the stage's env and the placement override the user's environment; the CPU defaults do not
     env = {**(env or {}), **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process else {})}
-    if not gpu:  # every core computes (cpu_engine_env); the user's own environment and the stage's env win
+    if not gpu:  # every core computes (cpu_engine_env)
         env = {**{k: v for k, v in cpu_engine_env().items() if k not in os.environ}, **env}
-        log.info("vLLM on this CPU: %s; engine core in %s", ", ".join(f"{k}={v}" for k, v in env.items()),
-                 "the driver's process" if in_process else "its own process")
+        log.info("vLLM on this CPU: engine core in %s%s", "the driver's process" if in_process else "its own process",
+                 "".join(f", {k}={v}" for k, v in env.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"))
     log_file = Path(log_file)
     limit = engine.timeout_s if timeout_s is None else timeout_s
     log.info("vLLM engine job: %s -m %s %s (tensor_parallel_size %d%s); its whole output: %s", python, module,

@@ -27,24 +27,21 @@ CPU_MEMORY_FRACTION = 0.25
 # Validation hands the same pin to the MLA draft (eagle3.validate.vllm_check: vLLM auto-selects a draft's backend).
 CPU_MLA_BACKEND = "CPU_MLA"
 # vLLM's CPU build keeps one core per worker for its scheduler process (VLLM_CPU_NUM_OF_RESERVED_CPU, unset: the
-# worker count) and binds the worker's OpenMP threads to the rest: on a 2-core host the model computed on 1 core
-# (regeneration's batches: 163 against 264 output tok/s with no core reserved, bench/smollm2_vllm_generate.py
+# worker count) and binds an own-process engine's worker threads to the rest: on a 2-core host the model computed on
+# 1 core (regeneration's batches: 163 against 264 output tok/s with no core reserved, bench/smollm2_vllm_generate.py
 # --cases 128x96, AVX2 EPYC). On hosts up to this many cores none is reserved; a larger host keeps vLLM's rule.
+# (An engine core in the driver's process is not bound: its worker keeps torch's threads, one per physical core,
+# since vLLM's CPU worker turns torch.set_num_threads into a no-op before vLLM would cut it to 1.)
 SMALL_CPU_HOST_CORES = 4
 
 
 def cpu_engine_env(cores: int | None = None) -> dict[str, str]:
-    """Environment defaults for a vLLM engine on a CPU host (``cores``: the cores this process may use), so that the
-    model computes on every core: an engine core in its own process binds its worker to all but the reserved cores
-    (none reserved on a host of at most SMALL_CPU_HOST_CORES cores); an engine core in the driver's process
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0) has no binding and vLLM drops torch to 1 thread unless OMP_NUM_THREADS is
-    set, so it is set to ``cores``. A variable already in the environment is the user's and wins (run_engine_job);
-    on GPUs none of these apply."""
-    n = cores or len(os.sched_getaffinity(0))
-    env = {"OMP_NUM_THREADS": str(n)}
-    if n <= SMALL_CPU_HOST_CORES:
-        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
-    return env
+    """Environment defaults for a vLLM engine on a CPU host (``cores``: the CPUs this process may use, by default
+    its scheduling affinity), so that an engine core in its own process computes on every core: no core reserved for
+    vLLM's scheduler process on a host of at most SMALL_CPU_HOST_CORES cores. A variable already in the environment
+    is the user's and wins over these (run_engine_job); on GPUs none of this applies."""
+    n = len(os.sched_getaffinity(0)) if cores is None else cores
+    return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"} if n <= SMALL_CPU_HOST_CORES else {}
 
 
 class EngineSettings(BaseModel):

@@ -29,9 +29,12 @@ class ValidateConfig(BaseModel):
     max_model_len: int | None = Field(
         None, gt=0, description="vLLM max_model_len in tokens (None: the verifier's max_position_embeddings).")
     engine_in_process: bool = Field(
-        True, description="Run vLLM's engine core in the check's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0): "
-        "one interpreter start less, ~10 s on CPU. Never for a nested multimodal verifier (Kimi-K2.5): vLLM 0.32's "
-        "CPU worker then fails at start.", json_schema_extra=RUNTIME)
+        True, description="On a CPU host, run vLLM's engine core in the check's own process "
+        "(VLLM_ENABLE_V1_MULTIPROCESSING=0): one interpreter start less, ~10 s, and faster decoding one request at a "
+        "time on 2 cores. Never on GPUs (vLLM's own process, as it serves) nor for a nested multimodal verifier "
+        "(Kimi-K2.5: vLLM 0.32's CPU worker then fails at start). A regeneration session that also times "
+        "validation's verifier-alone baseline runs its engine core where validation's run (eagle3.engine.job."
+        "engine_core_in_process).", json_schema_extra=RUNTIME)
     engine: EngineSettings = Field(
         default_factory=lambda: EngineSettings(timeout_s=VALIDATE_TIMEOUT_S), description="The vLLM engine (the "
         f"pipeline's engine settings; its engine jobs time out after {VALIDATE_TIMEOUT_S:.0f} s unless set).",
