@@ -45,8 +45,7 @@ def main() -> None:
     ns = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
     if not ns.bare:  # the pipeline's CPU engine environment (eagle3.engine.job.run_engine_job): every core computes
-        for k, v in cpu_engine_env().items():
-            os.environ.setdefault(k, v)
+        os.environ.update(cpu_engine_env())
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

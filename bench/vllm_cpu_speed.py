@@ -88,7 +88,7 @@ def variant_env(name: str, python: str) -> dict[str, str]:
         for k in CPU_DEFAULTS:
             base.pop(k, None)
     else:  # what eagle3.engine.job.run_engine_job adds on a CPU host (the user's own variables win)
-        base.update({k: v for k, v in cpu_engine_env().items() if k not in os.environ})
+        base.update(cpu_engine_env())
     env = {**base, "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
     for k, v in changes.items():
         env[k] = _preload(python, *v.split(":")) if k == "LD_PRELOAD" else v

@@ -14,8 +14,9 @@ from eagle3.engine.settings import SMALL_CPU_HOST_CORES, cpu_engine_env
 
 
 def test_cpu_engine_env_reserves_no_core_on_a_small_host_only():
-    assert cpu_engine_env(2) == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    assert cpu_engine_env(SMALL_CPU_HOST_CORES + 1) == {}  # a larger host keeps vLLM's rule
+    assert cpu_engine_env(2, environ={}) == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert cpu_engine_env(SMALL_CPU_HOST_CORES + 1, environ={}) == {}  # a larger host keeps vLLM's rule
+    assert cpu_engine_env(2, environ={"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}) == {}  # the user's own setting wins
 
 
 def test_engine_core_in_process_on_a_cpu_host_unless_nested(tmp_path):

@@ -107,7 +107,7 @@ def run_engine_job(engine: EngineSettings, module: str, job: dict[str, Any], job
     # the stage's env and the placement override the user's environment; the CPU defaults do not
     env = {**(env or {}), **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process else {})}
     if not gpu:  # every core computes (cpu_engine_env)
-        env = {**{k: v for k, v in cpu_engine_env().items() if k not in os.environ}, **env}
+        env = {**cpu_engine_env(), **env}
         log.info("vLLM on this CPU: engine core in %s%s", "the driver's process" if in_process else "its own process",
                  "".join(f", {k}={v}" for k, v in env.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"))
     log_file = Path(log_file)

@@ -10,6 +10,7 @@ is the features' precision and regeneration inherits it; validation's ``dtype`` 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, Field, create_model
@@ -35,13 +36,15 @@ CPU_MLA_BACKEND = "CPU_MLA"
 SMALL_CPU_HOST_CORES = 4
 
 
-def cpu_engine_env(cores: int | None = None) -> dict[str, str]:
+def cpu_engine_env(cores: int | None = None, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """Environment defaults for a vLLM engine on a CPU host (``cores``: the CPUs this process may use, by default
     its scheduling affinity), so that an engine core in its own process computes on every core: no core reserved for
-    vLLM's scheduler process on a host of at most SMALL_CPU_HOST_CORES cores. A variable already in the environment
-    is the user's and wins over these (run_engine_job); on GPUs none of this applies."""
+    vLLM's scheduler process on a host of at most SMALL_CPU_HOST_CORES cores. A variable already in ``environ``
+    (default: this process's environment) is the user's and wins: it is left out. On GPUs none of this applies."""
     n = len(os.sched_getaffinity(0)) if cores is None else cores
-    return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"} if n <= SMALL_CPU_HOST_CORES else {}
+    defaults = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"} if n <= SMALL_CPU_HOST_CORES else {}
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in defaults.items() if k not in environ}
 
 
 class EngineSettings(BaseModel):
