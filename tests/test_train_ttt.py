@@ -12,13 +12,21 @@ import torch
 from helpers import vocab_tables
 from torch import nn
 
-from eagle3.draft.config import DraftConfig
-from eagle3.draft.model import Eagle3Draft
+from eagle3.draft.config import DraftArchitecture, DraftConfig
+from eagle3.draft.model import Eagle3Draft, KVCache
 from eagle3.support.verifier import VerifierSpec
 from eagle3.train.config import TrainConfig
 from eagle3.train.data import Batch, pack_samples, packing_efficiency, split_indices
 from eagle3.train.schedule import lr_at
-from eagle3.train.ttt import GatheredKL, TrainingTimeTest, context_mask, summarize, ttt_counted
+from eagle3.train.ttt import (
+    GatheredKL,
+    TrainingTimeTest,
+    context_mask,
+    shift_left,
+    summarize,
+    ttt_counted,
+    ttt_kept,
+)
 
 H, D, K = 8, 50, 4
 
@@ -61,8 +69,9 @@ class OracleDraft(nn.Module):
     def project_aux(self, aux: torch.Tensor) -> torch.Tensor:
         return aux[..., :H] * 0 + self.w
 
-    def step_features(self, ids, hidden, pos, mask, cache):
-        """(hidden, the logits themselves as the head's input): ``head`` is the identity."""
+    def step_features(self, ids, hidden, pos, mask, cache, rows=None):
+        """(hidden, the logits themselves as the head's input): ``head`` is the identity. With ``rows``, both at
+        those entries (as Eagle3Draft.step_features)."""
         t = ids.shape[1]
         j = (ids - 1000).clamp(0, t - 1)  # row position of the input token
         # the position the draft sees is its entry's position + k, i.e. (position of x_j) - 1
@@ -70,8 +79,10 @@ class OracleDraft(nn.Module):
         assert torch.equal(pos[real], self.batch.position_ids.gather(1, j)[real] - 1)
         self.steps += 1
         src = (j + self.shift).clamp(0, t - 1)
-        logits = self.teacher.gather(1, src[..., None].expand(-1, -1, self.teacher.shape[-1]))
-        return hidden, logits + self.w
+        logits = self.teacher.gather(1, src[..., None].expand(-1, -1, self.teacher.shape[-1])) + self.w
+        if rows is None:
+            return hidden, logits
+        return (hidden if hidden.dim() == 2 else rows.gather(hidden)), rows.gather(logits)
 
     def head(self, x):
         return x
@@ -165,11 +176,13 @@ class Recorder(nn.Module):
     def project_aux(self, aux):
         return self.draft.project_aux(aux)
 
-    def step_features(self, ids, hidden, pos, mask, cache):
-        """Records the pre-norm output and the logits at EVERY entry (the TTT computes them only where read)."""
-        pre, normed = self.draft.step_features(ids, hidden, pos, mask, cache)
+    def step_features(self, ids, hidden, pos, mask, cache, rows=None):
+        """Records the pre-norm output and the logits on the [B, T] grid: at the entries the TTT computes (its
+        ``rows``), zeros elsewhere."""
+        pre, normed = self.draft.step_features(ids, hidden, pos, mask, cache, rows)
         logits = self.draft.head(normed)
-        self.steps.append((pre.detach(), logits if self.keep_graph else logits.detach()))
+        on_grid = (lambda x: x) if rows is None else rows.scatter
+        self.steps.append((on_grid(pre.detach()), on_grid(logits if self.keep_graph else logits.detach())))
         return pre, normed
 
     def head(self, normed):
@@ -186,11 +199,12 @@ def test_ttt_step_k_is_the_serving_chain(tiny_llama_verifier):
     draft = _real_draft(tiny_llama_verifier)
     rec = Recorder(draft)
     _ttt(rec, h=64)(batch, batch.counted.float().clamp(min=1))
+    keep = ttt_kept([ttt_counted(batch.loss_mask, batch.seq_ids, k) for k in range(K)])  # what the TTT computes
     checked = 0
     for r, o, n in ((0, 0, 7), (0, 7, 6), (0, 13, 3), (1, 0, 16)):  # (row, sample start, sample length)
         for i in range(o, o + n):
             for k in range(K):
-                if i + 1 + k >= o + n:  # no input token left in the sample
+                if not keep[k][r, i]:  # read by no loss: not computed (and every later step's entries are kept here)
                     break
                 ids = torch.cat([batch.input_ids[r, o + 1:i + 2], batch.input_ids[r, i + 2:i + 2 + k]])
                 ctx = draft.project_aux(batch.aux[r, o:i + 1])
@@ -201,7 +215,7 @@ def test_ttt_step_k_is_the_serving_chain(tiny_llama_verifier):
                 torch.testing.assert_close(logits[0, -1], rec.steps[k][1][r, i], atol=2e-5, rtol=1e-4)
                 torch.testing.assert_close(pre[0, -1], rec.steps[k][0][r, i], atol=2e-5, rtol=1e-4)
                 checked += 1
-    assert checked == sum(min(K, n - 1 - l) for n in (7, 6, 3, 16) for l in range(n) if n - 1 - l > 0)
+    assert checked == sum(int(kept.sum()) for kept in keep) and checked > 30
 
 
 def test_heads_at_kept_entries_give_the_dense_loss_and_metrics():
@@ -266,31 +280,56 @@ def test_gathered_kl_value_and_gradient_equal_autograd(dtype):
                                atol=1e-6)
 
 
-def test_heads_at_kept_entries_give_the_dense_gradients(tiny_llama_verifier):
-    """Every trainable parameter's gradient through the gathered, padded heads (GatheredKL, the scatter back into the
-    step's rows) equals the gradient of the dense loss over all entries, from the same forward."""
+def _dense_unroll_loss(draft: Eagle3Draft, ttt: TrainingTimeTest, batch: Batch, norm: torch.Tensor) -> torch.Tensor:
+    """The training-time test written out over EVERY entry of every step: the layer and the heads at all B x T
+    entries (the draft's serving computation, ``step_features`` without rows), the KL of every counted entry."""
+    t = batch.input_ids.shape[1]
+    t_logp = torch.log_softmax(ttt.teacher_logits(batch.final), -1)  # [B, T, D]
+    mask, cache = context_mask(batch.seq_ids), KVCache()
+    hidden, loss = draft.project_aux(batch.aux), 0.0
+    for k in range(ttt.ttt_steps):
+        ids = shift_left(batch.input_ids, 1 + k, 0)
+        hidden, normed = draft.step_features(ids, hidden, batch.position_ids + k, mask, cache)
+        n = t - 1 - k
+        tl, logq = t_logp[:, 1 + k:], torch.log_softmax(draft.head(normed)[:, :n], -1)
+        kl = (tl.exp() * (tl - logq)).sum(-1)
+        loss = loss + ttt.weights[k] * (kl * ttt_counted(batch.loss_mask, batch.seq_ids, k)[:, :n]).sum() / norm[k]
+    return loss
+
+
+@pytest.mark.parametrize("kind", ["llama", "mla"])
+def test_layer_and_heads_at_kept_entries_give_the_dense_loss_and_gradients(kind, tiny_llama_verifier, kimi_shaped):
+    """The TTT runs the layer and the heads only at the entries some loss reads (eagle3.draft.model.Rows: step 0's
+    keys and values at every entry, the rest at the kept ones); its loss and every trainable parameter's gradient
+    equal the unroll over all entries, on rows with several samples, padding and prompt-like gaps in the loss mask,
+    for both attention kinds. The draft's layer is scaled up so that every part of it matters."""
     batch = _batch([[7, 6, 3], [11]], t=16, token_base=0, h=64)
-    batch.input_ids = torch.randint(0, 8192, batch.input_ids.shape, generator=torch.Generator().manual_seed(5))
     batch.loss_mask &= torch.arange(16) % 5 != 1
     batch.counted = torch.stack([ttt_counted(batch.loss_mask, batch.seq_ids, k).sum() for k in range(K)])
-    draft = _real_draft(tiny_llama_verifier)
-    rec = Recorder(draft, keep_graph=True)
-    ttt = _ttt(rec, h=64)
+    if kind == "llama":
+        draft = _real_draft(tiny_llama_verifier)
+    else:
+        spec = VerifierSpec.from_path(kimi_shaped)
+        cfg = DraftConfig.build(spec, D, [1, 2, 3], DraftArchitecture(kind="mla"), torch_dtype="float32")
+        d2t, t2d = vocab_tables(spec.vocab_size, D, seed=None)
+        draft = Eagle3Draft.from_verifier(cfg, kimi_shaped, d2t, t2d)
+        batch.aux = torch.randn(2, 16, 3 * spec.hidden_size, generator=torch.Generator().manual_seed(2))
+        batch.final = torch.randn(2, 16, spec.hidden_size, generator=torch.Generator().manual_seed(3))
+        batch.input_ids %= spec.vocab_size
+    with torch.no_grad():
+        draft.fc.weight.mul_(4)
+    ttt = _ttt(draft, h=draft.config.hidden_size if kind == "llama" else spec.hidden_size)
     norm = batch.counted.float().clamp(min=1)
-    loss, _ = ttt(batch, norm)
-    t_logp = torch.log_softmax(ttt.teacher_logits(batch.final), -1)  # [B, T, D]
-    dense = 0.0
-    for k in range(K):
-        n = 16 - 1 - k
-        tl, logq = t_logp[:, 1 + k:], torch.log_softmax(rec.steps[k][1][:, :n], -1)
-        kl = (tl.exp() * (tl - logq)).sum(-1)
-        dense = dense + ttt.weights[k] * (kl * ttt_counted(batch.loss_mask, batch.seq_ids, k)[:, :n]).sum() / norm[k]
+    loss, stats = ttt(batch, norm)
+    dense = _dense_unroll_loss(draft, ttt, batch, norm)
+    assert 0 < int(stats[:, 1].sum()) < 2 * 16 * K  # prompt-like gaps: some entries are skipped
     params = [p for p in draft.parameters() if p.requires_grad]
-    mine = torch.autograd.grad(loss, params, retain_graph=True)
+    mine = torch.autograd.grad(loss, params)
     ref = torch.autograd.grad(dense, params)
     torch.testing.assert_close(loss, dense, rtol=1e-5, atol=1e-6)
-    for a, b in zip(mine, ref):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    for (name, _), a, b in zip([(n, p) for n, p in draft.named_parameters() if p.requires_grad], mine, ref):
+        assert float(b.abs().max()) > 0, name
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_rows_shorter_than_the_unroll():

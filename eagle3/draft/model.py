@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +82,63 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+class Rows(NamedTuple):
+    """Entries of a [B, T] grid that one step computes (training: the entries its loss or later steps read,
+    eagle3.train.ttt). ``index`` [N]: flat ``b * T + i``, ascending, padded by repeating its first entry (a CPU's
+    oneDNN caches one kernel per matmul shape); the first ``real`` are the entries, the copies beyond are computed
+    and never read. A step's projections, o_proj and MLP run on the N entries alone ([N, ..] "compact" tensors); the
+    attention stays on the grid, its queries, keys and values scattered in (zeros elsewhere: an entry outside
+    ``index`` is read by no one, since entry i of a later step attends only to the step-0 context and to its own
+    earlier steps, and every entry of a step is an entry of the step before)."""
+
+    index: torch.Tensor  # [N] int64
+    real: int
+    batch: int  # B
+    length: int  # T
+
+    def gather(self, grid: torch.Tensor) -> torch.Tensor:
+        """[B, T, ...] -> [N, ...]."""
+        return grid.flatten(0, 1)[self.index]
+
+    def scatter(self, compact: torch.Tensor) -> torch.Tensor:
+        """[N, ...] -> [B, T, ...]: the real entries in place, zeros elsewhere (the padding copies are left out, so
+        each entry's gradient arrives once)."""
+        grid = _ScatterRows.apply(compact, self.index, self.real, self.batch * self.length)
+        return grid.view(self.batch, self.length, *compact.shape[1:])
+
+
+class _ScatterRows(torch.autograd.Function):
+    """compact [N, ...] -> grid [G, ...]: rows index[:real] of the grid = compact[:real], zeros elsewhere. Keeps only
+    the index for backward (torch's index_copy also keeps the source it copies: one [N, ..] tensor per scatter)."""
+
+    @staticmethod
+    def forward(ctx, compact: torch.Tensor, index: torch.Tensor, real: int, size: int) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.real, ctx.rows = real, compact.shape[0]
+        grid = compact.new_zeros(size, *compact.shape[1:])
+        return grid.index_copy_(0, index[:real], compact[:real])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        (index,) = ctx.saved_tensors
+        out = grad.new_zeros(ctx.rows, *grad.shape[1:])  # the padding copies' rows get none
+        out[:ctx.real] = grad.index_select(0, index[:ctx.real])
+        return out, None, None, None
+
+
+def _on_grid(y: torch.Tensor, rows: Rows | None) -> torch.Tensor:
+    """A projection's output on the [B, T, ..] grid: as it is when it was computed there (no ``rows``, or a [B, T, ..]
+    input), scattered from its compact [N, ..] form otherwise."""
+    return y if rows is None or y.dim() == 3 else rows.scatter(y)
+
+
+def _query_input(x: torch.Tensor, rows: Rows | None) -> torch.Tensor:
+    """The attention input the queries read: x itself, or its ``rows`` when x is on the grid (step 0: keys and values
+    for every context entry, queries only where the step's output is read)."""
+    return x if rows is None or x.dim() == 2 else rows.gather(x)
 
 
 class KVCache:
@@ -171,20 +229,25 @@ class Eagle3Attention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
-                cache: KVCache | None) -> torch.Tensor:
+                cache: KVCache | None, rows: Rows | None = None) -> torch.Tensor:
         """x: [B, T, 2H]; position_ids: [B, T]; mask: [B, 1, T, T] bool (True = may attend) over the step-0 keys.
 
         Without a cache this is ordinary masked self-attention. With earlier steps in the cache, the keys are
         [step-0 keys (masked by ``mask``), step-1 .. current-step keys (diagonal only)].
+
+        With ``rows`` (``Rows``) the output is [N, H], at those entries only; x is [B, T, 2H] (keys and values at
+        every entry, queries at ``rows``) or [N, 2H] (everything at ``rows``).
         """
-        b, t, _ = x.shape
+        b, t = position_ids.shape
         cos, sin = rope_tables(position_ids, self.head_dim, self.theta)  # [B, 1, T, hd]
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)  # [B, heads, T, hd]
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, T, hd]
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, T, hd]
+        q = _on_grid(self.q_proj(_query_input(x, rows)), rows)  # [B, T, heads * hd]
+        q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)  # [B, heads, T, hd]
+        k = _on_grid(self.k_proj(x), rows).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, T, hd]
+        v = _on_grid(self.v_proj(x), rows).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, T, hd]
         q, k = apply_neox(q, cos, sin), apply_neox(k, cos, sin)
         out = _attend(q, k, v, mask, 1.0 / math.sqrt(self.head_dim), cache)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))  # [B, T, H]
+        out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)  # [B, T, heads * hd]
+        return self.o_proj(out if rows is None else rows.gather(out))  # [B, T, H] or [N, H]
 
 
 class Eagle3MLAAttention(nn.Module):
@@ -211,14 +274,18 @@ class Eagle3MLAAttention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.v_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
-                cache: KVCache | None) -> torch.Tensor:
-        """As ``Eagle3Attention.forward``; x: [B, T, 2H] -> [B, T, H]."""
-        b, t, _ = x.shape
-        q_in = self.q_a_layernorm(self.q_a_proj(x)) if self.q_rank else x  # [B, T, q_rank] or [B, T, 2H]
-        q = (self.q_b_proj if self.q_rank else self.q_proj)(q_in)
+                cache: KVCache | None, rows: Rows | None = None) -> torch.Tensor:
+        """As ``Eagle3Attention.forward``; x: [B, T, 2H] -> [B, T, H] (with ``rows``: x [B, T, 2H] or [N, 2H] ->
+        [N, H])."""
+        b, t = position_ids.shape
+        xq = _query_input(x, rows)  # [B, T, 2H] or [N, 2H]
+        q_in = self.q_a_layernorm(self.q_a_proj(xq)) if self.q_rank else xq  # [.., q_rank] or [.., 2H]
+        q = _on_grid((self.q_b_proj if self.q_rank else self.q_proj)(q_in), rows)  # [B, T, heads * (nope + rope)]
         q = q.view(b, t, self.heads, self.nope + self.rope).transpose(1, 2)  # [B, heads, T, nope + rope]
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], dim=-1)  # [B, T, kv], [B, T, r]
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, t, self.heads, self.nope + self.v_dim)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], dim=-1)  # [.., kv], [.., r]
+        kv = _on_grid(self.kv_b_proj(self.kv_a_layernorm(latent)), rows)  # [B, T, heads * (nope + v_dim)]
+        k_pe = _on_grid(k_pe, rows)  # [B, T, r]
+        kv = kv.view(b, t, self.heads, self.nope + self.v_dim)
         k_nope, v = kv.transpose(1, 2).split([self.nope, self.v_dim], dim=-1)  # [B, heads, T, nope], [.., v_dim]
         cos, sin = mla_rope_tables(position_ids, self.rope, self.theta, self.rope_scaling)  # [B, 1, T, r]
         q_pe = apply_gptj(q[..., self.nope:], cos, sin)  # [B, heads, T, r]
@@ -226,7 +293,8 @@ class Eagle3MLAAttention(nn.Module):
         q = torch.cat([q[..., :self.nope], q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(b, self.heads, t, self.rope)], dim=-1)  # [B, heads, T, nope + rope]
         out = _attend(q, k, v.contiguous(), mask, self.scale, cache)  # [B, heads, T, v_dim]
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.v_dim))  # [B, T, H]
+        out = out.transpose(1, 2).reshape(b, t, self.heads * self.v_dim)  # [B, T, heads * v_dim]
+        return self.o_proj(out if rows is None else rows.gather(out))  # [B, T, H] or [N, H]
 
 
 class Eagle3MLP(nn.Module):
@@ -254,13 +322,14 @@ class Eagle3DecoderLayer(nn.Module):
         self.mlp = Eagle3MLP(cfg)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
-                cache: KVCache | None) -> torch.Tensor:
-        """embeds, hidden: [B, T, H] -> PRE-norm output [B, T, H] (vLLM's ``hidden_prenorm``)."""
+                cache: KVCache | None, rows: Rows | None = None) -> torch.Tensor:
+        """embeds, hidden: [B, T, H] -> PRE-norm output [B, T, H] (vLLM's ``hidden_prenorm``). With ``rows``: the
+        output at those entries, [N, H]; embeds and hidden are both [B, T, H] (step 0) or both [N, H]."""
         e = self.input_layernorm(embeds)
         h_n = self.hidden_norm(hidden)
         residual = h_n if self.norm_before_residual else hidden
-        x = torch.cat([e, h_n], dim=-1)  # [B, T, 2H]
-        residual = self.self_attn(x, position_ids, mask, cache) + residual
+        x = torch.cat([e, h_n], dim=-1)  # [B, T, 2H] or [N, 2H]
+        residual = self.self_attn(x, position_ids, mask, cache, rows) + _query_input(residual, rows)
         return self.mlp(self.post_attention_layernorm(residual)) + residual
 
 
@@ -432,10 +501,15 @@ class Eagle3Draft(nn.Module):
         return fed, self.head(normed)
 
     def step_features(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                      mask: torch.Tensor, cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      mask: torch.Tensor, cache: KVCache | None = None, rows: Rows | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """``step`` without the head: (the hidden state fed forward, the normed output [B, T, H] that ``head``
-        reads). The training-time test applies ``head`` only at the entries its loss reads."""
-        prenorm = self.midlayer(self.embed_tokens(input_ids), hidden, position_ids, mask, cache)
+        reads). The training-time test applies ``head`` only at the entries its loss reads, and with ``rows`` the
+        layer computes only at those entries (``Rows``): both outputs are then [N, H]; input_ids and position_ids
+        stay [B, T], hidden is [B, T, H] (step 0) or [N, H] (the previous step's output at the same entries)."""
+        if rows is not None and hidden.dim() == 2:
+            input_ids = rows.gather(input_ids)  # [N]
+        prenorm = self.midlayer(self.embed_tokens(input_ids), hidden, position_ids, mask, cache, rows)
         normed = self.norm(prenorm)
         return (normed if self.config.norm_output else prenorm), normed
 

@@ -144,55 +144,68 @@ def parameter_counts(d: DraftConfig) -> tuple[dict[str, int], int]:
 
 
 def _step_activations(d: DraftConfig, b: int, t: int, k: int, c: int, cuda: bool, loss: str) -> dict[str, int]:
-    """Bytes autograd keeps for TTT step ``k`` of a [b, t] micro-batch (see the module docstring)."""
+    """Bytes autograd keeps for TTT step ``k`` of a [b, t] micro-batch (see the module docstring). The layer runs at
+    the step's kept entries (eagle3.train.ttt: r = ``head_rows`` at most) except step 0's inputs, keys and values,
+    which cover all n = b t entries; the attention's queries, keys and values live on the [b, t] grid."""
     n, h, i_ = b * t, d.hidden_size, d.intermediate_size
-    grad_norm = (F32 + c) * n * h if cuda else 2 * F32 * n * h  # one RMSNorm whose input needs grad
-    # on CPU hidden_norm's input from step 1 on is the previous step's pre-norm output, already kept by its norm
-    # (with norm_output it is the normed output, which only hidden_norm keeps: the heads read gathered rows)
-    shared = F32 * n * h if (k > 0 and not cuda and not d.norm_output) else 0
+    r = head_rows(b, t, k)
+    ne = n if k == 0 else r  # entries of the layer's inputs: step 0 every entry, later steps a gathered copy
+    grad_norm = (lambda m: (F32 + c) * m * h) if cuda else (lambda m: 2 * F32 * m * h)  # an RMSNorm, input w/ grad
     return {
-        # input_layernorm (input needs no grad) + 3 with grad inputs, + their rsqrt statistics [N, 1]
-        "norms": F32 * n * h + 3 * grad_norm - shared + 3 * F32 * n,
+        # input_layernorm (input needs no grad) and hidden_norm at the inputs' entries, post_attention_layernorm and
+        # the final norm at the kept ones, + the rsqrt statistics [.., 1] of the 3 whose input needs grad
+        "norms": F32 * ne * h + grad_norm(ne) + 2 * grad_norm(r) + F32 * (ne + 2 * r),
         **_attention_activations(d, b, t, k, c, cuda),
-        "mlp": (2 * c * n * h if cuda else F32 * n * h) + 4 * c * n * i_,
-        # the heads run at the entries whose guess lies inside the row (eagle3.train.ttt.ttt_kept: at most these)
-        # + the gather index, the teacher rows' index (GatheredKL) and the counted mask
-        "lm_head input": c * head_rows(b, t, k) * h + 17 * head_rows(b, t, k),
-        "log-softmax": F32 * head_rows(b, t, k) * d.draft_vocab_size,
+        "mlp": (2 * c * r * h if cuda else F32 * r * h) + 4 * c * r * i_,
+        # the heads' input (the final norm's output at the kept entries) + the kept entries' index (every gather of
+        # the step), the teacher rows' index (GatheredKL) and the counted mask; from step 1 on the index of the
+        # previous step's outputs that the hidden inputs gather
+        "lm_head input": c * r * h + (17 if k == 0 else 25) * r,
+        "log-softmax": F32 * r * d.draft_vocab_size,
         # the LK losses keep the gathered teacher probabilities and q (the KL's GatheredKL keeps neither)
-        "teacher rows": 2 * F32 * head_rows(b, t, k) * d.draft_vocab_size if loss != "kl" else 0,
+        "teacher rows": 2 * F32 * r * d.draft_vocab_size if loss != "kl" else 0,
     }
 
 
 def head_rows(b: int, t: int, k: int) -> int:
-    """The most rows the heads of TTT step ``k`` run on in a [b, t] micro-batch: entry i guesses x_{i+2+k}, which
-    must lie in the row (eagle3.train.ttt.ttt_kept), padded to a multiple of HEAD_ROWS_BUCKET (``padded_rows``)."""
+    """The most entries TTT step ``k`` keeps in a [b, t] micro-batch (its layer and heads run there): entry i
+    guesses x_{i+2+k}, which must lie in the row (eagle3.train.ttt.ttt_kept), padded to a multiple of
+    HEAD_ROWS_BUCKET (``padded_rows``)."""
     n = b * max(0, t - 2 - k)
     return -(-n // HEAD_ROWS_BUCKET) * HEAD_ROWS_BUCKET
 
 
 def _attention_activations(d: DraftConfig, b: int, t: int, k: int, c: int, cuda: bool) -> dict[str, int]:
-    """The attention's share of ``_step_activations``: its input [N, 2H], q and the output, RoPE tables, this step's
-    keys/values, the copies of keys/values the attention keeps, the mask and probabilities; MLA adds its latent
-    norms (the q and kv latents, each RMSNorm's input, normed output and statistics; the kv latent is a view of the
-    [N, kv_lora_rank + rope] projection, whose whole storage stays)."""
+    """The attention's share of ``_step_activations``: its input (step 0: [N, 2H] for the keys/values + the kept
+    entries' gathered copy for the queries; later steps: the kept entries' [R, 2H]), q and the output, RoPE tables,
+    this step's keys/values, the copies of keys/values the attention keeps, the mask and probabilities; MLA adds its
+    latent norms (the q and kv latents, each RMSNorm's input, normed output and statistics; the kv latent is a view
+    of the [.., kv_lora_rank + rope] projection, whose whole storage stays)."""
     n, h, nh = b * t, d.hidden_size, d.num_attention_heads
+    r = head_rows(b, t, k)
+    ne = n if k == 0 else r  # the keys'/values' projection input
     s = (k + 1) * t  # keys the step attends over: the context (step 0) + its own earlier steps
     qk, vd = d.head_dim, d.value_head_dim
     if d.kind == "mla":
         kv_heads, rope = nh, d.qk_rope_head_dim
         projections = 2  # q_a_proj (or q_proj) and kv_a_proj_with_mqa read the same input
-        q_latent = (F32 + 2 * c if cuda else 3 * F32) * n * d.q_lora_rank + F32 * n if d.q_lora_rank else 0
-        kv_latent = ((F32 + 2 * c) * n * d.kv_lora_rank if cuda else
-                     F32 * n * (d.kv_lora_rank + rope) + 2 * F32 * n * d.kv_lora_rank) + F32 * n
+        q_latent = (F32 + 2 * c if cuda else 3 * F32) * r * d.q_lora_rank + F32 * r if d.q_lora_rank else 0
+        kv_latent = ((F32 + 2 * c) * ne * d.kv_lora_rank if cuda else
+                     F32 * ne * (d.kv_lora_rank + rope) + 2 * F32 * ne * d.kv_lora_rank) + F32 * ne
         latents = {"mla latents": q_latent + kv_latent}
     else:
         kv_heads, rope, projections, latents = d.num_key_value_heads, qk, 3, {}
+    if cuda:  # autocast casts the input once per projection: the queries' one at the kept entries
+        attention_input = (projections - 1) * c * ne * 2 * h + c * r * 2 * h
+    else:  # the float32 input itself (shared by the projections that read it) + step 0's gathered query input
+        attention_input = F32 * ne * 2 * h + (F32 * r * 2 * h if k == 0 else 0)
     out = {
-        "attention input": (projections * c * n * 2 * h) if cuda else F32 * n * 2 * h,  # autocast casts per projection
+        "attention input": attention_input,
         **latents,
-        # q after RoPE + SDPA's output (laid out [B, T, heads, vd]: o_proj's input is a view of it) + RoPE cos/sin
-        "attention q/out": c * n * nh * (qk + vd) + (4 * c if cuda else 2 * F32) * n * rope,
+        # q after RoPE on the grid + o_proj's input, the attention output gathered at the kept entries (SDPA on CUDA
+        # also keeps its whole output) + RoPE cos/sin
+        "attention q/out": c * n * nh * qk + c * r * nh * vd + (c * n * nh * vd if cuda else 0)
+        + (4 * c if cuda else 2 * F32) * n * rope,
         "k/v cache": c * n * kv_heads * (qk + vd),
     }
     if not cuda:

@@ -31,11 +31,15 @@ KL(teacher || draft) (or an LK loss, TrainConfig.loss), averaged over counted en
 micro-batches, all ranks); total = sum_k step_weight_decay**k * loss_k. The metrics' loss is the KL whatever the
 training loss.
 
-Where the heads run: the draft's lm_head (and the softmaxes, the KL) only at the entries of step k that the loss or
-the chain metrics read (``ttt_kept``: counted at step k or later), on their rows gathered; the teacher only at the
-row positions those entries read (``teacher_rows``). Padding, prompt tokens and each sample's last tokens skip the
-[.., draft_vocab] work, the costliest part of a step after the layer itself. The KL keeps q's log-probabilities
-for backward and gathers the teacher rows again there (``GatheredKL``).
+Where the layer and the heads run: only at the entries of step k that the loss or the chain metrics read
+(``ttt_kept``: counted at step k or later; each step's are a subset of the step before's), on their rows gathered
+(eagle3.draft.model.Rows): the layer's projections, o_proj and MLP, the draft's lm_head, the softmaxes and the KL.
+Step 0 also computes keys and values at every entry (the context every later entry attends to); an entry outside
+step k's kept set is read by no one (the diagram: a step-k entry attends to the step-0 context and to its own
+earlier steps only). The teacher runs only at the row positions the kept entries read (``teacher_rows``). Padding,
+prompt tokens and each sample's last tokens skip all of that work; the loss and its gradients are the dense
+unroll's (tests/test_train_ttt.py). The KL keeps q's log-probabilities for backward and gathers the teacher rows
+again there (``GatheredKL``).
 
 Metrics per step k: accuracy = P(draft argmax == teacher argmax) over counted entries; conditional accuracy = the
 same among entries whose steps 0 .. k-1 were all right (a chain still alive). Simulated acceptance length, on vLLM's
@@ -51,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from eagle3.draft.model import KVCache
+from eagle3.draft.model import KVCache, Rows
 from eagle3.support.verifier import teacher_logits
 
 if TYPE_CHECKING:
@@ -173,8 +177,9 @@ class TrainingTimeTest(nn.Module):
         """norm: [K] float, the divisor of step k's KL sum (entries counted in the whole optimizer step, divided by the
         number of processes because DDP averages gradients). Returns (weighted loss, stats [K, 5] float64).
 
-        The heads (the draft's lm_head, the teacher's) run only where the loss or the metrics read them: at the
-        entries ``ttt_kept`` names (padding, prompt tokens and the row's tail are skipped), on their rows gathered."""
+        The layer and the heads (the draft's lm_head, the teacher's) run only where the loss or the metrics read
+        them: at the entries ``ttt_kept`` names (padding, prompt tokens and the row's tail are skipped), on their rows
+        gathered; step 0's keys and values at every entry."""
         device = batch.input_ids.device
         enabled = self.autocast_dtype is not None
         with torch.autocast(device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=enabled):
@@ -207,13 +212,20 @@ class TrainingTimeTest(nn.Module):
         alive = torch.ones(batch.loss_mask.numel(), dtype=torch.bool, device=hidden.device)  # [B*T] chain right so far
         loss = hidden.new_zeros((), dtype=torch.float32)
         stats = torch.zeros(self.ttt_steps, N_STATS, dtype=torch.float64, device=hidden.device)
+        b, t = batch.input_ids.shape
+        slot = torch.full((b * t,), -1, dtype=torch.int64, device=hidden.device)  # flat entry -> row of `hidden`
         for k in range(self.ttt_steps):
             ids = shift_left(batch.input_ids, 1 + k, 0)  # [B, T] token x_{i+1+k}
-            hidden, normed = self.draft.step_features(ids, hidden, batch.position_ids + k, mask, cache)
             real = sels[k].numel()
             sel = padded_rows(sels[k])  # [N (padded)]: the copies beyond `real` are never counted
-            # N may be 0: the head still runs (on no rows), so every parameter gets its (zero) gradient, as DDP expects
-            logits = self.draft.head(normed.flatten(0, 1)[sel])  # [N, D]
+            rows = Rows(sel, real, b, t)
+            if k:  # step k's entries are entries of step k - 1: their hidden inputs are that step's outputs
+                hidden = hidden[slot[sel]]  # [N, H]
+            # the layer and the heads at the kept entries only (step 0: keys/values at every context entry);
+            # N may be 0: they still run (on no rows), so every parameter gets its (zero) gradient, as DDP expects
+            hidden, normed = self.draft.step_features(ids, hidden, batch.position_ids + k, mask, cache, rows)
+            slot[sels[k]] = torch.arange(real, device=slot.device)  # hidden's row of each kept entry
+            logits = self.draft.head(normed)  # [N, D]
             rows = row_of[sel + 1 + k]  # [N] teacher f_{i+1+k}: the same packed row (i + 1 + k < T)
             counted = counted_steps[k][sel]  # [N]
             counted[real:] = False
