@@ -18,12 +18,18 @@ nh / KV heads nkv of head_dim hd; c = compute bytes (2: bf16 autocast on CUDA, 4
                    optimizer "muon": one momentum buffer for the weight matrices, AdamW's two for the rest
     FSDP           parameters, gradients and AdamW states / nproc, plus the unsharded parameters gathered for
                    compute (all groups at once, worst case) and one group's unsharded gradients before reduce-scatter
-    activations    what autograd keeps until backward, per TTT step k (context S_k = (k + 1) T):
-                     RMSNorms: input_layernorm a N H; hidden_norm, post_attention_layernorm, norm (inputs that need
-                       grad): (a + c) N H each on CUDA (a float32 copy of the input + the normed output cast back),
-                       2 a N H each on CPU (the input itself + the normed output)
-                     q/k/v input [N, 2H]: 3 c N 2H on CUDA (autocast casts it once per projection), a N 2H on CPU
-                     q after RoPE and the attention output (o_proj reads a view of it): 2 c N nh hd; RoPE cos/sin
+    activations    what autograd keeps until backward, per TTT step k (context S_k = (k + 1) T). The layer runs at
+                   the step's kept entries, at most R_k = B (T - 2 - k) rounded up to a multiple of 64 rows (those
+                   whose guess lies inside the row: eagle3.train.ttt, eagle3.draft.model.Rows), except step 0's
+                   inputs, keys and values (all N); N_k = N at step 0, R_k later; the attention's q/k/v, scores and
+                   cache live on the [B, T] grid (N):
+                     RMSNorms: input_layernorm a N_k H; hidden_norm (N_k), post_attention_layernorm and norm (R_k)
+                       (inputs that need grad): (a + c) H each per entry on CUDA (a float32 copy of the input + the
+                       normed output cast back), 2 a H on CPU (the input itself + the normed output)
+                     q/k/v input [N_k, 2H] (+ step 0's gathered query input [R_0, 2H]): once per projection on CUDA
+                       (autocast's casts), once on CPU
+                     q after RoPE c N nh hd; o_proj's input, the attention output gathered, c R_k nh hd (SDPA on CUDA
+                       also keeps its whole output c N nh hd); RoPE cos/sin
                      K/V: the step's k, v (in the cache) 2 c N nkv hd. CUDA (SDPA's fused kernels): from step 1 on
                        the concatenation of all steps' keys and values 2 c B S_k nkv hd (repeated to nh heads for
                        GQA, every step); the additive mask c B T S_k; log-sum-exp a B nh T. CPU (the attention
@@ -32,13 +38,12 @@ nh / KV heads nkv of head_dim hd; c = compute bytes (2: bf16 autocast on CUDA, 4
                        every step's keys and values repeated to nh heads 2 a B T nh hd (k + 1); without GQA it
                        keeps the cache itself
                      MLA draft (kind mla): q/kv latents with their RMSNorms (input, normed values, statistics;
-                       the kv latent views the [N, kv_lora_rank + rope] projection), RoPE over the rope part only;
-                       keys are qk_nope + qk_rope wide, values v_head_dim
-                     MLP: gate/up inputs (2 c N H on CUDA, a N H on CPU) + gate, silu, up, product 4 c N I
-                     the heads at most at R_k = B (T - 2 - k) entries (a guess inside the row), rounded up to a
-                       multiple of 64 rows (eagle3.train.ttt.HEAD_ROWS_BUCKET): lm_head input
-                       c R_k H; log-softmax of the draft logits a R_k D (the LK losses: + the gathered teacher
-                       probabilities and q, 2 a R_k D)
+                       q at R_k, kv at N_k; the kv latent views its [.., kv_lora_rank + rope] projection), RoPE
+                       over the rope part only; keys are qk_nope + qk_rope wide, values v_head_dim
+                     MLP at R_k: gate/up inputs (2 c R_k H on CUDA, a R_k H on CPU) + gate, silu, up, product
+                       4 c R_k I
+                     the heads at R_k: lm_head input c R_k H; log-softmax of the draft logits a R_k D (the LK losses:
+                       + the gathered teacher probabilities and q, 2 a R_k D); the gather indices
                    plus fc's input (CUDA: the bf16 cast of the aux states, c N n_aux H_t; CPU: a float32 copy of a
                    bf16 batch; with train.feature_noise the float32 noised states, 4 N n_aux H_t, on either) and
                    the norms before fc (norm_before_fc / fc_norm), autocast's bf16 copies of the trainable matmul
