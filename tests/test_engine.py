@@ -1,5 +1,5 @@
 """The engine layer's host rules, without an engine: the CPU environment (no core kept for vLLM's scheduler on a
-small host) and where the engine core runs (the driver's process on a CPU host; never on GPUs nor for a nested
+small host), the CPU KV cache sized to a batch, and where the engine core runs (the driver's process on a CPU host; never on GPUs nor for a nested
 multimodal verifier). The engines themselves are tested through the stages (tests/test_regenerate.py reads vLLM's
 CPU binding from its log; tests/test_vllm_check.py the baseline session's placement)."""
 
@@ -10,7 +10,14 @@ import json
 from helpers import BUNDLED_VERIFIER, REPO
 
 from eagle3.engine.job import engine_core_in_process
-from eagle3.engine.settings import SMALL_CPU_HOST_CORES, cpu_engine_env
+from eagle3.engine.settings import (
+    CPU_KV_CACHE_GIB,
+    SMALL_CPU_HOST_CORES,
+    cpu_engine_env,
+    cpu_kv_cache_gib,
+    kv_cache_bytes_per_token,
+)
+from eagle3.support.verifier import VerifierSpec
 
 
 def test_cpu_engine_env_reserves_no_core_on_a_small_host_only():
@@ -29,3 +36,22 @@ def test_engine_core_in_process_on_a_cpu_host_unless_nested(tmp_path):
     assert not engine_core_in_process(False, plain, gpu=False)
     assert not engine_core_in_process(True, plain, gpu=True)  # GPUs: vLLM's own process, as it serves
     assert not engine_core_in_process(True, nested, gpu=False)  # Kimi-K2.5's layout: numba breaks vLLM's CPU worker
+
+
+def test_kv_cache_bytes_per_token_of_llama_and_mla_verifiers():
+    """SmolLM2 (30 layers, 3 KV heads x 64): a key and a value per KV head per layer; kimi-mini (MLA): the latent
+    (kv_lora_rank) and the rope key per layer, shared by every head."""
+    smol = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
+    assert kv_cache_bytes_per_token(smol, 4) == 30 * 2 * 3 * 64 * 4 == 46_080
+    kimi = VerifierSpec.from_path(REPO / "models" / "kimi-mini").text_config
+    assert kv_cache_bytes_per_token(kimi, 2) == (kimi["num_hidden_layers"] * (kimi["kv_lora_rank"]
+                                                 + kimi["qk_rope_head_dim"]) * 2)
+
+
+def test_cpu_kv_cache_fits_the_batch_within_a_share_of_free_memory():
+    gib = 1 << 30
+    # SmolLM2's regeneration batch: 256 rows x 512 tokens x 46,080 bytes = 5.6 GiB -> 6, on a host with 40 GiB free
+    assert cpu_kv_cache_gib(256 * 512, 46_080, 40 * gib) == 6
+    assert cpu_kv_cache_gib(256 * 512, 46_080, 22 * gib) == 5  # a quarter of 22 GiB, rounded down
+    assert cpu_kv_cache_gib(64, 4096, 22 * gib) == CPU_KV_CACHE_GIB  # a small batch keeps the default
+    assert cpu_kv_cache_gib(256 * 512, 46_080, 2 * gib) == CPU_KV_CACHE_GIB  # a small host: never below it

@@ -18,9 +18,17 @@ from pydantic import BaseModel, Field, create_model
 from eagle3.support.settings import RUNTIME, SETTINGS_MODEL
 
 # vLLM's CPU worker reserves gpu_memory_utilization x the host's memory and refuses to start when that much is not
-# free (vllm/v1/worker/cpu_worker.py); its KV cache is VLLM_CPU_KVCACHE_SPACE GiB (eagle3.support.paths sets 1).
-# A quarter of the host is what a CPU engine asks for, so a busy host or several engines do not fail at start.
+# free, unless the KV cache's size is given (vllm/v1/worker/cpu_worker.py): every engine here gets one,
+# VLLM_CPU_KVCACHE_SPACE (whole GiB; CPU_KV_CACHE_GIB, set by eagle3.support.paths, or cpu_kv_cache_gib for a stage
+# that sizes it to its batch), which must then be free at start. A quarter of the host is what a CPU engine asks for
+# without it, so a busy host or several engines do not fail at start.
 CPU_MEMORY_FRACTION = 0.25
+CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+CPU_KV_CACHE_GIB = 1  # an engine that caches few sequences at once (extraction, validation's decodes)
+# A KV cache sized to a stage's batch takes at most this share of the host's available memory at the job's start.
+# Regeneration's batch of rows runs at once only when its KV fits: SmolLM2 float32, 256 rows x 160 new tokens, 251
+# output tok/s with 1 GiB against 302 with 4 (bench/smollm2_vllm_generate.py, AVX2-only EPYC, 2 cores).
+CPU_KV_CACHE_MAX_SHARE = 0.25
 # An MLA verifier (DeepseekV3 / Kimi-K2.5) on a CPU: vLLM's CPU build picks its AMX_MLA kernel wherever the CPU has AMX
 # tiles (Intel Xeon 4th gen on), and that kernel takes bf16 / fp16 / int8 weights only: a float32 engine fails at load
 # ("expect weight to be bfloat16, float16, int8, ..."). CPU_MLA serves every dtype on every x86 CPU, so extraction and
@@ -45,6 +53,28 @@ def cpu_engine_env(cores: int | None = None, environ: Mapping[str, str] | None =
     defaults = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"} if n <= SMALL_CPU_HOST_CORES else {}
     environ = os.environ if environ is None else environ
     return {k: v for k, v in defaults.items() if k not in environ}
+
+
+def kv_cache_bytes_per_token(text_config: dict[str, Any], dtype_bytes: int) -> int:
+    """Bytes of vLLM's KV cache per token of a verifier whose language-model config is ``text_config``, cached in a
+    dtype of ``dtype_bytes``: per layer a key and a value per KV head, or MLA's latent (kv_lora_rank + the rope key)."""
+    layers = int(text_config["num_hidden_layers"])
+    if text_config.get("kv_lora_rank"):
+        width = int(text_config["kv_lora_rank"]) + int(text_config.get("qk_rope_head_dim") or 0)
+    else:
+        heads = int(text_config["num_attention_heads"])
+        head_dim = int(text_config.get("head_dim") or int(text_config["hidden_size"]) // heads)
+        width = 2 * int(text_config.get("num_key_value_heads") or heads) * head_dim
+    return layers * width * dtype_bytes
+
+
+def cpu_kv_cache_gib(tokens: int, bytes_per_token: int, available_bytes: int) -> int:
+    """Whole GiB of CPU KV cache (VLLM_CPU_KVCACHE_SPACE) for ``tokens`` cached at once: enough for all of them,
+    at least CPU_KV_CACHE_GIB, at most CPU_KV_CACHE_MAX_SHARE of ``available_bytes`` (never below the default)."""
+    gib = 1 << 30
+    need = -(-tokens * bytes_per_token // gib)
+    cap = int(available_bytes * CPU_KV_CACHE_MAX_SHARE) // gib
+    return max(CPU_KV_CACHE_GIB, min(need, cap))
 
 
 class EngineSettings(BaseModel):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
@@ -40,11 +41,18 @@ from pydantic import Field
 from eagle3.chat.dataset import load_prepared
 from eagle3.chat.errors import BadRow
 from eagle3.chat.sources import iter_rows, normalize_row
-from eagle3.engine.job import run_engine_job
+from eagle3.engine.job import on_gpu, run_engine_job
+from eagle3.engine.settings import (
+    CPU_KV_CACHE_ENV,
+    CPU_KV_CACHE_MAX_SHARE,
+    cpu_kv_cache_gib,
+    kv_cache_bytes_per_token,
+)
 from eagle3.prepare import PrepareConfig, PreparedData
 from eagle3.regenerate.config import RegenerateConfig, journal_key
 from eagle3.support.artifacts import Artifact, file_problem
 from eagle3.support.dtypes import describe_compute_dtype
+from eagle3.support.dtypes import dtype as dtype_info
 from eagle3.support.gpu import DeviceGuard, OutOfMemoryAfterRetries, cuda_device_ids, file_lock_guard
 from eagle3.support.io import atomic_write_json, atomic_write_text, sha256_file
 from eagle3.support.paths import resolve_path
@@ -198,6 +206,22 @@ def regenerate(cfg: RegenerateConfig, prepared: PreparedData, prepare_cfg: Prepa
     return _finish(cfg, rows, read_journal(journal), resumed, stats, out_dir, dtype)
 
 
+def _kv_cache_env(cfg: RegenerateConfig, verifier: VerifierIdentity, dtype: str) -> dict[str, str]:
+    """On a CPU host, a KV cache for the whole batch of rows at their longest (batch_rows x max_model_len tokens),
+    within eagle3.engine.settings.cpu_kv_cache_gib's bounds; a VLLM_CPU_KVCACHE_SPACE the user set wins. Nothing on
+    GPUs (vLLM sizes its KV cache from gpu_memory_utilization there)."""
+    if on_gpu() or CPU_KV_CACHE_ENV in os.environ:
+        return {}
+    import psutil
+
+    per_token = kv_cache_bytes_per_token(verifier.spec().text_config, dtype_info(dtype).bytes)
+    gib = cpu_kv_cache_gib(cfg.batch_rows * cfg.max_model_len, per_token, psutil.virtual_memory().available)
+    log.info("[regenerate] vLLM CPU KV cache %d GiB (%s=%d): %d rows x %d tokens x %d bytes per token, at most %.0f%% "
+             "of the available memory", gib, CPU_KV_CACHE_ENV, gib, cfg.batch_rows, cfg.max_model_len, per_token,
+             100 * CPU_KV_CACHE_MAX_SHARE)
+    return {CPU_KV_CACHE_ENV: str(gib)}
+
+
 def _run_driver(cfg: RegenerateConfig, todo: list[dict], total: int, prepare_cfg: PrepareConfig,
                 verifier: VerifierIdentity, dtype: str, out_dir: Path, lock_fds: list[int],
                 on_progress: Callable[[int, int, str], None] | None,
@@ -230,8 +254,8 @@ def _run_driver(cfg: RegenerateConfig, todo: list[dict], total: int, prepare_cfg
     # placement); otherwise vLLM's default, the engine core in its own process
     in_process = bool(baseline and baseline["request"]["engine_in_process"])
     result = run_engine_job(cfg.engine, "eagle3.regenerate.vllm_worker", job, out_dir / "job.json",
-                            log_file=out_dir / VLLM_LOG, lock_fds=lock_fds, in_process=in_process, follow=follow,
-                            follow_every_s=1.0)
+                            log_file=out_dir / VLLM_LOG, lock_fds=lock_fds, env=_kv_cache_env(cfg, verifier, dtype),
+                            in_process=in_process, follow=follow, follow_every_s=1.0)
     if result.oom:
         raise OutOfMemoryAfterRetries(f"regeneration ran out of memory at the batch floor (min_batch_rows "
                                       f"{cfg.min_batch_rows}); last output:\n{result.tail(60)}")

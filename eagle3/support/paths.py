@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from eagle3.engine.settings import CPU_KV_CACHE_ENV, CPU_KV_CACHE_GIB
+
 # The folder holding the `eagle3` package: the checkout when run from one (what presets, bundled models and data
 # are relative to); site-packages when the library is installed elsewhere (then nothing below exists there).
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -42,7 +44,7 @@ def vllm_subprocess_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     if PREFECT_YAML.is_file():  # a checkout: the vLLM interpreter imports eagle3 from it (installed: from its own env)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault(CPU_KV_CACHE_ENV, str(CPU_KV_CACHE_GIB))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     if extra:
         env.update(extra)
