@@ -73,8 +73,8 @@ def main() -> None:
     revs = args.revs.split(",")
     if len(revs) != 2:
         raise SystemExit(f"--revs: two revisions, got {args.revs!r}")
-    dataset = latest_dir(args.run_dir, "prepare-regenerated") / "dataset"
-    store = latest_dir(args.run_dir, "extract-hidden-states") / "store"
+    dataset = (latest_dir(args.run_dir, "prepare-regenerated") / "dataset").resolve()  # the runs run elsewhere
+    store = (latest_dir(args.run_dir, "extract-hidden-states") / "store").resolve()
     print(f"load before: {os.getloadavg()}", flush=True)
     rates: dict[str, list[float]] = {}
     losses: dict[str, list[float]] = {}
