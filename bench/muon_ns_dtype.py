@@ -47,6 +47,16 @@ def steady_tokens_per_s(metrics: Path) -> float:
     return (t1 - t0) / (e1 - e0)
 
 
+def print_medians(rates: dict[str, list[float]], order: list[str], notes: dict[str, str] | None = None) -> None:
+    """One line per variant of ``order``: the median tokens/s of its runs, each run's, and the ratio to the first
+    variant's median (+ its note)."""
+    base = statistics.median(rates[order[0]])
+    for name in order:
+        med = statistics.median(rates[name])
+        print(f"{name:10} median {med:8,.0f} tok/s  ({', '.join(f'{r:,.0f}' for r in rates[name])})  "
+              f"{med / base:.2f}x {order[0]}{(notes or {}).get(name, '')}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run-dir", type=Path, required=True)
@@ -72,11 +82,7 @@ def main() -> None:
             results[name].append(rate)
             print(f"{name}: {rate:,.0f} tok/s", flush=True)
     print(f"load after: {os.getloadavg()}")
-    base = statistics.median(results[order[0]])
-    for name in order:
-        med = statistics.median(results[name])
-        print(f"{name:10} median {med:8,.0f} tok/s  ({', '.join(f'{r:,.0f}' for r in results[name])})  "
-              f"{med / base:.2f}x {order[0]}")
+    print_medians(results, order)
 
 
 if __name__ == "__main__":

@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from muon_ns_dtype import steady_tokens_per_s
+from muon_ns_dtype import print_medians, steady_tokens_per_s
 from recipe import latest_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,11 +89,7 @@ def main() -> None:
             losses.setdefault(commits[i], []).append(last_loss(metrics))
             print(f"{commits[i]}: {rates[commits[i]][-1]:,.0f} tok/s, loss {losses[commits[i]][-1]:.5f}", flush=True)
     print(f"load after: {os.getloadavg()}")
-    base = statistics.median(rates[commits[0]])
-    for commit in commits:
-        med = statistics.median(rates[commit])
-        print(f"{commit:10} median {med:8,.0f} tok/s  ({', '.join(f'{r:,.0f}' for r in rates[commit])})  "
-              f"{med / base:.2f}x {commits[0]}; loss at step {args.steps}: {losses[commit][0]:.5f}")
+    print_medians(rates, commits, {c: f"; loss at step {args.steps}: {losses[c][0]:.5f}" for c in commits})
 
 
 if __name__ == "__main__":
