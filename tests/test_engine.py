@@ -1,12 +1,13 @@
 """The engine layer's host rules, without an engine: the CPU environment (no core kept for vLLM's scheduler on a
-small host), the CPU KV cache sized to a batch, and where the engine core runs (the driver's process on a CPU host; never on GPUs nor for a nested
-multimodal verifier). The engines themselves are tested through the stages (tests/test_regenerate.py reads vLLM's
+small host), the CPU KV cache sized to a batch, and where the engine core runs (the driver's process on a CPU host;
+never on GPUs nor for a nested multimodal verifier). The engines themselves are tested through the stages (tests/test_regenerate.py reads vLLM's
 CPU binding from its log; tests/test_vllm_check.py the baseline session's placement)."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 from helpers import BUNDLED_VERIFIER, REPO
 
 from eagle3.engine.job import engine_core_in_process
@@ -16,6 +17,7 @@ from eagle3.engine.settings import (
     cpu_engine_env,
     cpu_kv_cache_gib,
     kv_cache_bytes_per_token,
+    sized_cpu_kv_cache_env,
 )
 from eagle3.support.verifier import VerifierSpec
 
@@ -55,3 +57,11 @@ def test_cpu_kv_cache_fits_the_batch_within_a_share_of_free_memory():
     assert cpu_kv_cache_gib(256 * 512, 46_080, 22 * gib) == 5  # a quarter of 22 GiB, rounded down
     assert cpu_kv_cache_gib(64, 4096, 22 * gib) == CPU_KV_CACHE_GIB  # a small batch keeps the default
     assert cpu_kv_cache_gib(256 * 512, 46_080, 2 * gib) == CPU_KV_CACHE_GIB  # a small host: never below it
+    assert sized_cpu_kv_cache_env(256 * 512, 46_080, environ={"VLLM_CPU_KVCACHE_SPACE": "3"}) == {}  # the user's
+    sized = sized_cpu_kv_cache_env(256 * 512, 46_080, environ={})
+    assert list(sized) == ["VLLM_CPU_KVCACHE_SPACE"] and int(sized["VLLM_CPU_KVCACHE_SPACE"]) >= CPU_KV_CACHE_GIB
+
+
+def test_kv_cache_bytes_per_token_names_a_missing_field():
+    with pytest.raises(ValueError, match="the verifier's config has no 'num_attention_heads'"):
+        kv_cache_bytes_per_token({"num_hidden_layers": 30, "hidden_size": 576}, 4)

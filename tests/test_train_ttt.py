@@ -204,7 +204,7 @@ def test_ttt_step_k_is_the_serving_chain(tiny_llama_verifier):
     for r, o, n in ((0, 0, 7), (0, 7, 6), (0, 13, 3), (1, 0, 16)):  # (row, sample start, sample length)
         for i in range(o, o + n):
             for k in range(K):
-                if not keep[k][r, i]:  # read by no loss: not computed (and every later step's entries are kept here)
+                if not keep[k][r, i]:  # read by no loss, so not computed (nor at any later step: keep[k + 1] <= keep[k])
                     break
                 ids = torch.cat([batch.input_ids[r, o + 1:i + 2], batch.input_ids[r, i + 2:i + 2 + k]])
                 ctx = draft.project_aux(batch.aux[r, o:i + 1])

@@ -57,15 +57,20 @@ def cpu_engine_env(cores: int | None = None, environ: Mapping[str, str] | None =
 
 def kv_cache_bytes_per_token(text_config: dict[str, Any], dtype_bytes: int) -> int:
     """Bytes of vLLM's KV cache per token of a verifier whose language-model config is ``text_config``, cached in a
-    dtype of ``dtype_bytes``: per layer a key and a value per KV head, or MLA's latent (kv_lora_rank + the rope key)."""
-    layers = int(text_config["num_hidden_layers"])
+    dtype of ``dtype_bytes``: per layer a key and a value per KV head, or MLA's latent (kv_lora_rank + the rope key).
+    Raises ValueError naming the first field it needs and does not find."""
+    def field(name: str) -> int:
+        if not text_config.get(name):
+            raise ValueError(f"the verifier's config has no {name!r} (needed to size vLLM's KV cache)")
+        return int(text_config[name])
+
     if text_config.get("kv_lora_rank"):
-        width = int(text_config["kv_lora_rank"]) + int(text_config.get("qk_rope_head_dim") or 0)
+        width = field("kv_lora_rank") + int(text_config.get("qk_rope_head_dim") or 0)
     else:
-        heads = int(text_config["num_attention_heads"])
-        head_dim = int(text_config.get("head_dim") or int(text_config["hidden_size"]) // heads)
+        heads = field("num_attention_heads")
+        head_dim = int(text_config.get("head_dim") or field("hidden_size") // heads)
         width = 2 * int(text_config.get("num_key_value_heads") or heads) * head_dim
-    return layers * width * dtype_bytes
+    return field("num_hidden_layers") * width * dtype_bytes
 
 
 def cpu_kv_cache_gib(tokens: int, bytes_per_token: int, available_bytes: int) -> int:
@@ -75,6 +80,18 @@ def cpu_kv_cache_gib(tokens: int, bytes_per_token: int, available_bytes: int) ->
     need = -(-tokens * bytes_per_token // gib)
     cap = int(available_bytes * CPU_KV_CACHE_MAX_SHARE) // gib
     return max(CPU_KV_CACHE_GIB, min(need, cap))
+
+
+def sized_cpu_kv_cache_env(tokens: int, bytes_per_token: int, environ: Mapping[str, str] | None = None
+                           ) -> dict[str, str]:
+    """{VLLM_CPU_KVCACHE_SPACE: cpu_kv_cache_gib(..) against the host's available memory now} for an engine that
+    caches ``tokens`` at once; {} when ``environ`` (default: this process's environment) already sets it (the
+    user's wins)."""
+    if CPU_KV_CACHE_ENV in (os.environ if environ is None else environ):
+        return {}
+    import psutil
+
+    return {CPU_KV_CACHE_ENV: str(cpu_kv_cache_gib(tokens, bytes_per_token, psutil.virtual_memory().available))}
 
 
 class EngineSettings(BaseModel):

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
@@ -45,8 +44,8 @@ from eagle3.engine.job import on_gpu, run_engine_job
 from eagle3.engine.settings import (
     CPU_KV_CACHE_ENV,
     CPU_KV_CACHE_MAX_SHARE,
-    cpu_kv_cache_gib,
     kv_cache_bytes_per_token,
+    sized_cpu_kv_cache_env,
 )
 from eagle3.prepare import PrepareConfig, PreparedData
 from eagle3.regenerate.config import RegenerateConfig, journal_key
@@ -210,16 +209,18 @@ def _kv_cache_env(cfg: RegenerateConfig, verifier: VerifierIdentity, dtype: str)
     """On a CPU host, a KV cache for the whole batch of rows at their longest (batch_rows x max_model_len tokens),
     within eagle3.engine.settings.cpu_kv_cache_gib's bounds; a VLLM_CPU_KVCACHE_SPACE the user set wins. Nothing on
     GPUs (vLLM sizes its KV cache from gpu_memory_utilization there)."""
-    if on_gpu() or CPU_KV_CACHE_ENV in os.environ:
+    if on_gpu():
         return {}
-    import psutil
-
-    per_token = kv_cache_bytes_per_token(verifier.spec().text_config, dtype_info(dtype).bytes)
-    gib = cpu_kv_cache_gib(cfg.batch_rows * cfg.max_model_len, per_token, psutil.virtual_memory().available)
-    log.info("[regenerate] vLLM CPU KV cache %d GiB (%s=%d): %d rows x %d tokens x %d bytes per token, at most %.0f%% "
-             "of the available memory", gib, CPU_KV_CACHE_ENV, gib, cfg.batch_rows, cfg.max_model_len, per_token,
-             100 * CPU_KV_CACHE_MAX_SHARE)
-    return {CPU_KV_CACHE_ENV: str(gib)}
+    try:
+        per_token = kv_cache_bytes_per_token(verifier.spec().text_config, dtype_info(dtype).bytes)
+    except ValueError as e:
+        raise RegenerateError(f"{Path(verifier.path) / 'config.json'}: {e}") from None
+    env = sized_cpu_kv_cache_env(cfg.batch_rows * cfg.max_model_len, per_token)
+    if env:
+        log.info("[regenerate] vLLM CPU KV cache %s GiB (%s): %d rows x %d tokens x %d bytes per token, at most "
+                 "%.0f%% of the available memory", env[CPU_KV_CACHE_ENV], CPU_KV_CACHE_ENV, cfg.batch_rows,
+                 cfg.max_model_len, per_token, 100 * CPU_KV_CACHE_MAX_SHARE)
+    return env
 
 
 def _run_driver(cfg: RegenerateConfig, todo: list[dict], total: int, prepare_cfg: PrepareConfig,

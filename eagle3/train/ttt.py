@@ -218,12 +218,12 @@ class TrainingTimeTest(nn.Module):
             ids = shift_left(batch.input_ids, 1 + k, 0)  # [B, T] token x_{i+1+k}
             real = sels[k].numel()
             sel = padded_rows(sels[k])  # [N (padded)]: the copies beyond `real` are never counted
-            rows = Rows(sel, real, b, t)
             if k:  # step k's entries are entries of step k - 1: their hidden inputs are that step's outputs
                 hidden = hidden[slot[sel]]  # [N, H]
             # the layer and the heads at the kept entries only (step 0: keys/values at every context entry);
             # N may be 0: they still run (on no rows), so every parameter gets its (zero) gradient, as DDP expects
-            hidden, normed = self.draft.step_features(ids, hidden, batch.position_ids + k, mask, cache, rows)
+            hidden, normed = self.draft.step_features(ids, hidden, batch.position_ids + k, mask, cache,
+                                                      Rows(sel, real, b, t))
             slot[sels[k]] = torch.arange(real, device=slot.device)  # hidden's row of each kept entry
             logits = self.draft.head(normed)  # [N, D]
             rows = row_of[sel + 1 + k]  # [N] teacher f_{i+1+k}: the same packed row (i + 1 + k < T)
