@@ -13,13 +13,12 @@ from eagle3.config import load_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
-# measured on 2 shared cores (2026-12-01), vLLM, 3 draft tokens, 4 prompts x 32 tokens: the draft below (4 optimizer
-# steps on 64 regenerated chats) 1.115 (per position 0.106 / 0.009 / 0.0); the untrained draft 1.000 (0 of 372)
-# (before init_from_layer and the layer at the kept entries). 2026-12-08, an AVX512-BF16 CPU: 1.042, with the answers
-# and features in bf16 (the auto rule there) and in float32 alike. The floor is what the test is about: above the
-# untrained draft's exact 1.000; a 4-step draft moves by a few hundredths with the code and the CPU's rounding, and the
-# answers and features are taken in float32 on every CPU (extract.dtype below).
-MIN_MEAN_ACCEPTANCE_LENGTH = 1.02
+# vLLM, 3 draft tokens, 4 prompts x 32 tokens, the untrained draft 1.000 (0 of 372). 2026-12-01 (2 shared cores):
+# 4 optimizer steps on 64 regenerated chats gave 1.115. 2026-12-08 (an AVX512-BF16 CPU, the preset with
+# init_from_layer): 4 steps gave 1.042, under this floor, with the answers and features in bf16 and in float32
+# alike; 8 steps (batch 4, below), everything in float32, gave 1.148. Everything is pinned to float32 so that the
+# answers, features and training are the same computation on CPUs with and without native bf16.
+MIN_MEAN_ACCEPTANCE_LENGTH = 1.05
 
 
 def test_smollm2_pipeline_regenerates_trains_and_beats_the_untrained_floor(prefect_harness, smollm2, tmp_path):
@@ -32,8 +31,8 @@ def test_smollm2_pipeline_regenerates_trains_and_beats_the_untrained_floor(prefe
         "validate.speed_schedule": "ABA", "validate.compare_untrained": False,
         "validate.min_mean_acceptance_length": MIN_MEAN_ACCEPTANCE_LENGTH,
         "train.cpu_dtype": "float32",  # the floor was measured in float32; the preset's auto differs by CPU
-        "train.batch_size": 8,  # ... and at batch 8 (4 optimizer steps); the preset's batch 2 makes 4x the steps
-        "train.optimizer": "adamw",  # ... and with AdamW (Muon's Newton-Schulz dtype differs by CPU too)
+        "train.batch_size": 4,  # 8 optimizer steps (the preset's batch 2 makes twice the steps)
+        "train.optimizer": "adamw",  # AdamW (Muon's Newton-Schulz dtype differs by CPU too)
         "extract.dtype": "float32",  # regeneration follows it: the same answers on CPUs with and without native bf16
     }
     state = eagle3_pipeline(load_config("smollm2"), overrides=overrides, return_state=True)
